@@ -1,0 +1,108 @@
+"""create_app(config): the ASGI application. The lifespan owns every stateful object (the pooled
+upstream client, the engine registry and its tasks, the router, the metrics) on ``app.state``;
+nothing lives in module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.api import admin_routes
+from gateway.api.openai_routes import CompletionsEndpoint
+from gateway.config import GatewayConfig
+from gateway.core.router import Router, RoutingParams
+from gateway.errors import ApiError, error_body
+from gateway.service.cluster import Cluster
+from gateway.service.gateway import GatewayService
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.proxy import make_client
+
+HOT_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class GatewayApp:
+    """Dispatches the two hot POST routes straight to their raw ASGI endpoints and everything
+    else (admin, sessions, docs, lifespan) to FastAPI."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+        self.state = api.state
+        self._hot = {
+            path: CompletionsEndpoint(kind, path, lambda: api.state.service)
+            for path, kind in HOT_ROUTES.items()
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            endpoint = self._hot.get(scope["path"])
+            if endpoint is not None and scope["method"] == "POST":
+                await endpoint(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = make_client(config, transport)
+        cluster = Cluster(config, client)
+        metrics = GatewayMetrics()
+        router = Router(RoutingParams())
+        app.state.service = GatewayService(config, client, cluster, router, metrics)
+        await cluster.probe_once()
+        cluster.start()
+        try:
+            yield
+        finally:
+            await cluster.stop()
+            await client.aclose()
+
+    api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
+    api.include_router(admin_routes.router)
+
+    @api.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return Response(
+            exc.body(),
+            status_code=exc.status,
+            headers=dict((k.decode(), v.decode()) for k, v in exc.headers()),
+        )
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return Response(
+            error_body(exc.status_code, str(exc.detail)),
+            status_code=exc.status_code,
+            media_type="application/json",
+        )
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return Response(
+            error_body(400, f"{param or 'request'}: {first['msg']}", param, "invalid_request"),
+            status_code=400,
+            media_type="application/json",
+        )
+
+    for path in HOT_ROUTES:
+        # Documented in the schema; the dispatcher above serves POST before FastAPI sees it, and
+        # this handler answers the other methods with an OpenAI-shaped 405.
+        @api.api_route(path, methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+        async def _wrong_method(request: Request) -> Response:
+            return Response(
+                error_body(405, f"use POST for {request.url.path}"),
+                status_code=405,
+                media_type="application/json",
+            )
+
+    return GatewayApp(api)

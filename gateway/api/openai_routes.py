@@ -1,0 +1,131 @@
+"""The hot path: ``POST /v1/chat/completions`` and ``POST /v1/completions`` as raw ASGI endpoints.
+
+They bypass Starlette's Request/StreamingResponse (a measurable cost per chunk, ANCHORS.md):
+read the body, parse it once, ask the service where it goes, then relay each upstream chunk to
+the client as soon as it arrives. A client that disconnects mid-stream cancels the relay, which
+closes the upstream connection, so vLLM aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from gateway.errors import ApiError
+from gateway.protocol import parse_body
+from gateway.service.gateway import GatewayService, Upstream
+from gateway.service.proxy import HOP_HEADERS
+
+log = logging.getLogger("agentgw.api")
+
+Scope = dict[str, Any]
+
+
+async def read_body(receive: Any, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_error(send: Any, err: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = err.body()
+    headers = [*err.headers(), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class CompletionsEndpoint:
+    """One OpenAI generation route (``kind`` is ``chat`` or ``completions``)."""
+
+    def __init__(self, kind: str, path: str, service: Any) -> None:
+        self.kind = kind
+        self.path = path
+        self.route = path
+        self._service = service  # a zero-argument callable returning the app's GatewayService
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        svc: GatewayService = self._service()
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(receive, svc.config.limits.max_body_bytes)
+            parsed = parse_body(self.kind, raw)
+            plan = svc.plan(parsed, raw, scope["headers"])
+            up = await svc.open(plan.decision, self.path, plan.body, plan.headers)
+        except ConnectionAbortedError:
+            return
+        except ApiError as err:
+            svc.metrics.requests.labels(self.route, str(err.status), "", "").inc()
+            await send_error(send, err)
+            return
+        try:
+            await self._relay(svc, plan, up, t0, receive, send)
+        finally:
+            svc.close(up)
+            with contextlib.suppress(Exception):
+                await up.response.aclose()
+
+    async def _relay(
+        self, svc: GatewayService, plan: Any, up: Upstream, t0: float, receive: Any, send: Any
+    ) -> None:
+        resp = up.response
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_HEADERS]
+        headers += plan.response_headers(up)
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+
+        me = asyncio.current_task()
+        state = {"done": False, "gone": False}
+
+        def on_receive(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None or state["done"]:
+                return
+            if fut.result().get("type") == "http.disconnect" and me is not None:
+                state["gone"] = True
+                me.cancel()
+
+        watch = asyncio.ensure_future(receive())
+        watch.add_done_callback(on_receive)
+        first = True
+        status = str(resp.status_code)
+        try:
+            async for chunk in resp.aiter_raw():
+                if first:
+                    svc.metrics.ttft.labels(self.route).observe(time.perf_counter() - t0)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["done"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            status = "499"
+            svc.metrics.client_disconnects.labels(up.engine).inc()
+            uncancel = getattr(me, "uncancel", None)
+            if uncancel is not None:
+                uncancel()
+        except httpx.HTTPError as exc:
+            status = "502"
+            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            log.warning("upstream %s failed mid-response: %r", up.engine, exc)
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            state["done"] = True
+            watch.cancel()
+            svc.metrics.e2e.labels(self.route).observe(time.perf_counter() - t0)
+            svc.metrics.requests.labels(self.route, status, up.pool, up.engine).inc()
+            svc.finish(plan, up, status)

@@ -1,0 +1,133 @@
+"""Typed, validated gateway settings: one YAML file plus ``AGENTGW_*`` environment overrides.
+
+Precedence (highest first): keyword arguments, environment (``AGENTGW_LISTEN__PORT=9000``,
+nested keys joined by ``__``), the YAML file, defaults. An invalid value fails at start-up with
+one message naming the key (see :func:`load_config`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+PoolRole = Literal["first_turn", "warm", "any"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class EngineConfig(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    url: str
+    model: str = Field(min_length=1)
+    kv_events: str | None = None
+    """ZMQ endpoint of the engine's KV-event publisher, e.g. ``tcp://127.0.0.1:5557``."""
+    control_url: str | None = None
+    """engine_ext control API base URL, when the engine runs the plugin."""
+
+    @field_validator("url", "control_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/") if v else v
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    role: PoolRole = "any"
+    engines: list[EngineConfig] = Field(min_length=1)
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    read_s: float = Field(600.0, gt=0)
+    """Longest silence accepted from an engine while a response is being read."""
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_connections_per_engine: int = Field(1024, gt=0)
+    eject_after_failures: int = Field(2, ge=1)
+    readmit_after_successes: int = Field(1, ge=1)
+    retry_after_s: int = Field(2, ge=0)
+    """Value of the ``Retry-After`` header on a 503."""
+
+
+class GatewayConfig(BaseSettings):
+    """The whole configuration. See README.md for a reference of every key."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AGENTGW_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    listen: ListenConfig = ListenConfig()
+    pools: list[PoolConfig] = Field(default_factory=list)
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> GatewayConfig:
+        pools = [p.name for p in self.pools]
+        if len(pools) != len(set(pools)):
+            raise ValueError(f"pool names must be unique, got {pools}")
+        engines = [e.name for p in self.pools for e in p.engines]
+        if len(engines) != len(set(engines)):
+            raise ValueError(f"engine names must be unique across pools, got {engines}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (env_settings, init_settings)
+
+
+class ConfigError(Exception):
+    """A configuration problem, with a message naming the offending key."""
+
+
+def _format(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"invalid config key '{key}': {first['msg']}{more}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> GatewayConfig:
+    """Read ``path`` (YAML) if given, apply environment and keyword overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        data = raw or {}
+    data.update(overrides)
+    try:
+        return GatewayConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc)) from None

@@ -1,0 +1,127 @@
+"""Pickers: choose one candidate and name the reason.
+
+- ``max_score``: the highest weighted total; ties broken by a stable hash of (session or request
+  counter, engine) so equal engines share load deterministically. Reason: the scorer that
+  contributed most to the winner (``prefix``, ``queue``, ...).
+- ``round_robin``: candidates sorted by name, ``seq mod n``.
+- ``session_hash``: rendezvous (highest-random-weight) hashing of the session id over candidates:
+  a session sticks to one engine and only 1/n of sessions move when an engine leaves. Requests
+  without a session fall back to round-robin.
+- ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request)``: ours. If the session's
+  home is a candidate and its queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
+  each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
+  queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
+  candidate whose estimate is lower than home's (reason ``sticky_overflow``); without a home, the
+  best weighted total wins (``max_score``).
+- ``cache_aware(balance_abs, balance_rel, cache_threshold)``: SGLang router's policy. If the
+  load is imbalanced (``q_max - q_min > balance_abs`` and ``q_max > balance_rel * q_min``) pick the
+  shortest queue (``load``); else if the best prefix match covers more than ``cache_threshold`` of
+  the prompt pick it (``prefix``); else pick the engine with the smallest cached footprint, to
+  grow the cache where there is room (``cache_room``, approximated by lowest KV usage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.core.policies.base import Pick, stable_hash
+from gateway.core.types import Candidate, RouteRequest, Snapshot
+
+
+def _tiebreak_key(req: RouteRequest) -> str:
+    return req.session_id or str(req.seq)
+
+
+def _dominant(c: Candidate) -> str:
+    if not c.scores:
+        return "only"
+    return max(c.scores.items(), key=lambda kv: kv[1])[0]
+
+
+@dataclass(frozen=True, slots=True)
+class MaxScore:
+    name: str = "max_score"
+
+    def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        key = _tiebreak_key(req)
+        best = max(candidates, key=lambda c: (round(c.total, 9), stable_hash(key + c.engine)))
+        return Pick(best, _dominant(best) if len(candidates) > 1 else "only")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRobin:
+    name: str = "round_robin"
+
+    def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        ordered = sorted(candidates, key=lambda c: c.engine)
+        return Pick(ordered[req.seq % len(ordered)], "rr")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHash:
+    name: str = "session_hash"
+
+    def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        if req.session_id is None:
+            return RoundRobin().pick(req, snap, candidates)
+        sid = req.session_id
+        best = max(candidates, key=lambda c: stable_hash(sid + "\x00" + c.engine))
+        return Pick(best, "hash")
+
+
+def _cached_tokens(req: RouteRequest, snap: Snapshot, engine: str) -> int:
+    m = snap.matches.get(engine)
+    return min(req.prompt_tokens, m.blocks * req.block_size) if m else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StickyBounded:
+    max_queue: int
+    prefill_s_per_token: float
+    queue_s_per_request: float
+    name: str = "sticky_bounded"
+
+    def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
+        view = next(e for e in snap.engines if e.name == engine)
+        uncached = req.prompt_tokens - _cached_tokens(req, snap, engine)
+        return uncached * self.prefill_s_per_token + view.queue * self.queue_s_per_request
+
+    def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        home = snap.session.home if snap.session else None
+        by_name = {c.engine: c for c in candidates}
+        if home is not None and home in by_name:
+            view = next(e for e in snap.engines if e.name == home)
+            if view.queue <= self.max_queue:
+                return Pick(by_name[home], "sticky")
+            home_cost = self._cost(req, snap, home)
+            best = min(candidates, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
+            if best.engine != home and self._cost(req, snap, best.engine) < home_cost:
+                return Pick(best, "sticky_overflow")
+            return Pick(by_name[home], "sticky")
+        top = MaxScore().pick(req, snap, candidates)
+        if req.is_subagent and top.candidate.scores.get("parent_prefix", 0.0) > 0:
+            return Pick(top.candidate, "subagent_parent")
+        return top
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAware:
+    balance_abs: int = 32
+    balance_rel: float = 1.5
+    cache_threshold: float = 0.5
+    name: str = "cache_aware"
+
+    def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        views = {e.name: e for e in snap.engines}
+        qs = {c.engine: views[c.engine].queue for c in candidates}
+        q_min, q_max = min(qs.values()), max(qs.values())
+        if q_max - q_min > self.balance_abs and q_max > self.balance_rel * q_min:
+            return Pick(min(candidates, key=lambda c: (qs[c.engine], c.engine)), "load")
+        best = max(candidates, key=lambda c: (_cached_tokens(req, snap, c.engine), -qs[c.engine]))
+        if req.prompt_tokens and _cached_tokens(req, snap, best.engine) > (
+            self.cache_threshold * req.prompt_tokens
+        ):
+            return Pick(best, "prefix")
+        room = min(candidates, key=lambda c: (views[c.engine].kv_usage, qs[c.engine], c.engine))
+        return Pick(room, "cache_room")

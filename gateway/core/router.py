@@ -1,0 +1,163 @@
+"""route(request, snapshot) -> Decision: filters, then weighted scorers, then a picker.
+
+Profiles are built by name from :class:`RoutingParams` (see ``PROFILES``). The router is
+immutable and pure: the same request and snapshot always give the same decision.
+
+Profiles:
+- ``agentic`` (ours): healthy, model, pool_role(uncached tokens), saturation -> prefix,
+  session_affinity, parent_prefix, spread, queue, kv_usage -> sticky_bounded.
+- ``precise_prefix`` (llm-d style): healthy, model -> prefix (precise, from KV events) x2,
+  queue, kv_usage -> max_score.
+- ``cache_aware`` (SGLang router style): healthy, model -> (approximate text prefix index) ->
+  cache_aware picker.
+- ``least_loaded``: healthy, model -> queue -> max_score.
+- ``round_robin``: healthy, model -> round_robin.
+- ``session_hash``: healthy, model -> rendezvous hash of the session id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.core.policies.base import Picker, Profile, Weighted
+from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
+from gateway.core.policies.pickers import CacheAware, MaxScore, RoundRobin, SessionHash, StickyBounded
+from gateway.core.policies.scorers import (
+    KvUsageScorer,
+    ParentPrefixScorer,
+    PrefixScorer,
+    QueueScorer,
+    SessionAffinityScorer,
+    SpreadScorer,
+)
+from gateway.core.types import Candidate, Decision, EngineView, RouteRequest, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingParams:
+    profile: str = "agentic"
+    first_turn_threshold_tokens: int = 4096
+    sticky_max_queue: int = 16
+    saturation_max_queue: int = 64
+    prefill_s_per_token: float = 2e-5
+    queue_s_per_request: float = 0.05
+    weights: dict[str, float] = field(
+        default_factory=lambda: {
+            "prefix": 3.0,
+            "session_affinity": 2.0,
+            "parent_prefix": 1.5,
+            "spread": 1.0,
+            "queue": 1.0,
+            "kv_usage": 0.5,
+        }
+    )
+
+
+def _w(p: RoutingParams, name: str, default: float) -> float:
+    return p.weights.get(name, default)
+
+
+def _agentic(p: RoutingParams) -> Profile:
+    return Profile(
+        "agentic",
+        (
+            Healthy(),
+            ServesModel(),
+            PoolByUncached(p.first_turn_threshold_tokens),
+            Saturation(p.saturation_max_queue),
+        ),
+        (
+            Weighted(PrefixScorer(), _w(p, "prefix", 3.0)),
+            Weighted(SessionAffinityScorer(), _w(p, "session_affinity", 2.0)),
+            Weighted(ParentPrefixScorer(), _w(p, "parent_prefix", 1.5)),
+            Weighted(SpreadScorer(), _w(p, "spread", 1.0)),
+            Weighted(QueueScorer(), _w(p, "queue", 1.0)),
+            Weighted(KvUsageScorer(), _w(p, "kv_usage", 0.5)),
+        ),
+        StickyBounded(p.sticky_max_queue, p.prefill_s_per_token, p.queue_s_per_request),
+    )
+
+
+def _precise_prefix(p: RoutingParams) -> Profile:
+    return Profile(
+        "precise_prefix",
+        (Healthy(), ServesModel()),
+        (Weighted(PrefixScorer(), 2.0), Weighted(QueueScorer(), 1.0), Weighted(KvUsageScorer(), 1.0)),
+        MaxScore(),
+    )
+
+
+def _simple(
+    name: str, picker: Picker, scorers: tuple[Weighted, ...] = ()
+) -> Callable[[RoutingParams], Profile]:
+    def build(p: RoutingParams) -> Profile:
+        return Profile(name, (Healthy(), ServesModel()), scorers, picker)
+
+    return build
+
+
+PROFILES: dict[str, Callable[[RoutingParams], Profile]] = {
+    "agentic": _agentic,
+    "precise_prefix": _precise_prefix,
+    "cache_aware": _simple("cache_aware", CacheAware()),
+    "least_loaded": _simple("least_loaded", MaxScore(), (Weighted(QueueScorer(), 1.0),)),
+    "round_robin": _simple("round_robin", RoundRobin()),
+    "session_hash": _simple("session_hash", SessionHash()),
+}
+
+
+class NoEngine(Exception):
+    """No engine can take the request; ``reason`` is ``unknown_model`` or ``unavailable``."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Router:
+    def __init__(self, params: RoutingParams) -> None:
+        if params.profile not in PROFILES:
+            raise ValueError(f"unknown routing profile {params.profile!r}; choose one of {sorted(PROFILES)}")
+        self.params = params
+        self.profile = PROFILES[params.profile](params)
+
+    def route(self, req: RouteRequest, snap: Snapshot) -> Decision:
+        engines: Sequence[EngineView] = snap.engines
+        for f in self.profile.filters:
+            before = engines
+            engines = f.filter(req, snap, engines)
+            if not engines:
+                if f.name == "model" and not any(req.model in e.models for e in snap.engines):
+                    raise NoEngine("unknown_model", f"model '{req.model}' is not served by any pool")
+                if f.name in ("healthy", "model"):
+                    raise NoEngine("unavailable", f"no healthy engine serves model '{req.model}'")
+                engines = before
+        candidates = self._score(req, snap, engines)
+        pick = self.profile.picker.pick(req, snap, candidates)
+        chosen = pick.candidate
+        match = snap.matches.get(chosen.engine)
+        cached = min(req.prompt_tokens, match.blocks * req.block_size) if match else 0
+        same_pool = sorted(
+            (c for c in candidates if c.engine != chosen.engine and c.pool == chosen.pool),
+            key=lambda c: -c.total,
+        )
+        return Decision(
+            engine=chosen.engine,
+            pool=chosen.pool,
+            reason=pick.reason,
+            profile=self.profile.name,
+            cached_tokens=cached,
+            uncached_tokens=req.prompt_tokens - cached,
+            candidates=tuple(candidates),
+            fallbacks=tuple(c.engine for c in same_pool),
+        )
+
+    def _score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> list[Candidate]:
+        per_scorer = [(w, w.scorer.score(req, snap, engines)) for w in self.profile.scorers if w.weight]
+        out = []
+        for i, e in enumerate(engines):
+            scores = {w.scorer.name: s[i] for w, s in per_scorer}
+            total = sum(w.weight * s[i] for w, s in per_scorer)
+            out.append(Candidate(e.name, e.pool, total, scores))
+        return out

@@ -1,0 +1,99 @@
+"""Parse an OpenAI request body once, into typed values, with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import ApiError
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: str
+    """``chat`` or ``completions``."""
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    text_chars: int
+    """Characters of prompt text: the token estimate when no tokenizer is configured."""
+
+
+def _text_len(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        n = 0
+        for part in content:
+            if isinstance(part, dict):
+                t = part.get("text")
+                if isinstance(t, str):
+                    n += len(t)
+        return n
+    return 0
+
+
+def parse_body(kind: str, raw: bytes) -> ParsedRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
+    if not isinstance(model, str) or not model.strip():
+        raise ApiError(400, "'model' must be a non-empty string", "model", "invalid_type")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
+    chars = _parse_messages(body) if kind == "chat" else _parse_prompt(body)
+    return ParsedRequest(kind, body, model, stream, chars)
+
+
+def _parse_messages(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages", "invalid_type")
+    chars = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"'messages[{i}]' must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ApiError(400, f"'messages[{i}].role' is required", f"messages[{i}].role", "invalid_type")
+        chars += _text_len(m.get("content"))
+    return chars
+
+
+def _parse_prompt(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return sum(len(p) for p in prompt)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return 4 * len(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return 4 * sum(len(p) for p in prompt)
+    raise ApiError(
+        400,
+        "'prompt' must be a string, an array of strings or an array of token ids",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    return orjson.dumps(body)

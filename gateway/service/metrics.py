@@ -1,0 +1,57 @@
+"""The gateway's Prometheus metrics, on a registry owned by the app (no global registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "agentgw_requests",
+            "Requests by route, status, pool and engine",
+            ["route", "status", "pool", "engine"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "agentgw_inflight_requests", "Requests in flight per engine", ["engine"], registry=r
+        )
+        self.ttft = Histogram(
+            "agentgw_ttft_seconds",
+            "Gateway-side time to first byte of the response body",
+            ["route"],
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "agentgw_e2e_seconds",
+            "Gateway-side end-to-end latency",
+            ["route"],
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "agentgw_upstream_errors", "Upstream failures by engine and kind", ["engine", "kind"], registry=r
+        )
+        self.decisions = Counter(
+            "agentgw_route_decisions",
+            "Routing decisions by profile, pool and reason",
+            ["profile", "pool", "reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "agentgw_client_disconnects",
+            "Streams aborted because the client went away",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_healthy = Gauge(
+            "agentgw_engine_healthy", "1 if the engine is admitted", ["engine"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
