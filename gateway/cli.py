@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from gateway.config import ConfigError, GatewayConfig, load_config
@@ -34,10 +35,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="use an existing engine instead of starting local ones (repeatable)",
+    )
+    serve.add_argument("--model", help="the model the --engine URLs serve (default: tiny-llama)")
+    serve.add_argument("--first-turn", type=int, default=1, help="local first-turn engines (default 1)")
+    serve.add_argument("--warm", type=int, default=2, help="local warm engines (default 2)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
 
     overrides: dict[str, object] = {}
     if args.host or args.port is not None:
@@ -47,15 +59,53 @@ def main(argv: list[str] | None = None) -> int:
         }
     try:
         config = load_config(args.config, **overrides)
+        if not config.pools and args.engine:
+            model = args.model or "tiny-llama"
+            engines = [{"name": f"engine{i}", "url": u, "model": model} for i, u in enumerate(args.engine)]
+            pools = [{"name": "default", "role": "any", "engines": engines}]
+            config = load_config(args.config, pools=pools, **overrides)
     except ConfigError as exc:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
-    if not config.pools:
+    if config.pools:
+        _serve_app(config, args.log_level)
+        return 0
+    return _serve_embedded(args, overrides)
+
+
+def _serve_embedded(args: argparse.Namespace, overrides: dict[str, object]) -> int:
+    """No pools configured: start local engines on the tiny model and front them."""
+    from gateway.local.embedded import start_local_engines, stop_all
+    from gateway.local.engines import EngineError
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    engines: list = []
+    try:
         print(
-            "agentgw: no pools configured (the embedded default arrives with gateway.local)", file=sys.stderr
+            f"agentgw: starting {args.first_turn} first-turn + {args.warm} warm local vLLM engines...",
+            file=sys.stderr,
         )
-        return 2
-    _serve_app(config, args.log_level)
+        engines, data = start_local_engines(first_turn=args.first_turn, warm=args.warm)
+        config = load_config(args.config, **data, **overrides)
+        print(
+            f"agentgw: engines ready; gateway on http://{config.listen.host}:{config.listen.port}",
+            file=sys.stderr,
+        )
+        _serve_app(config, args.log_level)
+    except KeyboardInterrupt:
+        pass
+    except (EngineError, ConfigError) as exc:
+        print(f"agentgw: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # uvicorn re-raises the signal that stopped it once it has shut down: ``terminate`` turns
+        # that into KeyboardInterrupt above; while the engines stop, further signals are ignored.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(engines)
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

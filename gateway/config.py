@@ -68,6 +68,57 @@ class LimitsConfig(_Strict):
     """Value of the ``Retry-After`` header on a 503."""
 
 
+class ModelConfig(_Strict):
+    """How the gateway computes a model's prompt tokens and vLLM block hashes exactly."""
+
+    name: str = Field(min_length=1)
+    tokenizer: str | None = None
+    """A model directory with tokenizer.json and a chat template; without it the gateway falls
+    back to an approximate text-prefix index."""
+    block_size: int = Field(128, gt=0)
+    hash_seed: str | None = "0"
+    """The engines' PYTHONHASHSEED (they run --prefix-caching-hash-algo sha256_cbor)."""
+
+
+class RoutingConfig(_Strict):
+    profile: Literal[
+        "agentic", "precise_prefix", "cache_aware", "least_loaded", "round_robin", "session_hash"
+    ] = "agentic"
+    first_turn_threshold_tokens: int = Field(4096, ge=0)
+    """Estimated uncached tokens at or above which a request goes to the first-turn pool."""
+    sticky_max_queue: int = Field(16, ge=0)
+    saturation_max_queue: int = Field(64, ge=0)
+    prefill_s_per_token: float = Field(2e-5, ge=0)
+    queue_s_per_request: float = Field(0.05, ge=0)
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {
+            "prefix": 3.0,
+            "session_affinity": 2.0,
+            "parent_prefix": 1.5,
+            "spread": 1.0,
+            "queue": 1.0,
+            "kv_usage": 0.5,
+        }
+    )
+    forward_priority: bool = False
+    """Forward hinted priority as vLLM's ``priority`` (engines run --scheduling-policy priority)."""
+    approx_chunk_chars: int = Field(512, gt=0)
+    index_capacity_blocks: int = Field(1 << 20, gt=0)
+    """Per engine: blocks remembered by the prefix index."""
+
+
+class SessionsConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    capacity: int = Field(100_000, gt=0)
+    ttl_s: float = Field(3600.0, gt=0)
+
+
+class HintsConfig(_Strict):
+    on_invalid: Literal["reject", "ignore"] = "reject"
+    """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
+
+
 class GatewayConfig(BaseSettings):
     """The whole configuration. See README.md for a reference of every key."""
 
@@ -79,6 +130,10 @@ class GatewayConfig(BaseSettings):
     pools: list[PoolConfig] = Field(default_factory=list)
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    models: list[ModelConfig] = Field(default_factory=list)
+    routing: RoutingConfig = RoutingConfig()
+    sessions: SessionsConfig = SessionsConfig()
+    hints: HintsConfig = HintsConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

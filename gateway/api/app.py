@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api import admin_routes
+from gateway.api import admin_routes, agent_routes
 from gateway.api.openai_routes import CompletionsEndpoint
 from gateway.config import GatewayConfig
 from gateway.core.router import Router, RoutingParams
@@ -24,6 +24,7 @@ from gateway.service.cluster import Cluster
 from gateway.service.gateway import GatewayService
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_client
+from gateway.service.session_store import MemorySessionStore, RedisSessionStore, SessionStore
 
 HOT_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
@@ -55,18 +56,39 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         client = make_client(config, transport)
         cluster = Cluster(config, client)
         metrics = GatewayMetrics()
-        router = Router(RoutingParams())
-        app.state.service = GatewayService(config, client, cluster, router, metrics)
+        r = config.routing
+        router = Router(
+            RoutingParams(
+                profile=r.profile,
+                first_turn_threshold_tokens=r.first_turn_threshold_tokens,
+                sticky_max_queue=r.sticky_max_queue,
+                saturation_max_queue=r.saturation_max_queue,
+                prefill_s_per_token=r.prefill_s_per_token,
+                queue_s_per_request=r.queue_s_per_request,
+                weights=dict(r.weights),
+            )
+        )
+        s = config.sessions
+        sessions: SessionStore = (
+            RedisSessionStore(s.redis_url, s.capacity, s.ttl_s)
+            if s.backend == "redis"
+            else MemorySessionStore(s.capacity, s.ttl_s)
+        )
+        service = GatewayService(config, client, cluster, router, metrics, sessions)
+        app.state.service = service
         await cluster.probe_once()
         cluster.start()
+        service.start()
         try:
             yield
         finally:
+            await service.stop()
             await cluster.stop()
             await client.aclose()
 
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.include_router(admin_routes.router)
+    api.include_router(agent_routes.router)
 
     @api.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -19,7 +19,7 @@ import httpx
 from gateway.errors import ApiError
 from gateway.protocol import parse_body
 from gateway.service.gateway import GatewayService, Upstream
-from gateway.service.proxy import HOP_HEADERS
+from gateway.service.proxy import RESPONSE_DROP
 
 log = logging.getLogger("agentgw.api")
 
@@ -64,8 +64,7 @@ class CompletionsEndpoint:
         try:
             raw = await read_body(receive, svc.config.limits.max_body_bytes)
             parsed = parse_body(self.kind, raw)
-            plan = svc.plan(parsed, raw, scope["headers"])
-            up = await svc.open(plan.decision, self.path, plan.body, plan.headers)
+            plan = await svc.plan(parsed, raw, scope["headers"])
         except ConnectionAbortedError:
             return
         except ApiError as err:
@@ -73,9 +72,15 @@ class CompletionsEndpoint:
             await send_error(send, err)
             return
         try:
+            up = await svc.open(plan.decision, self.path, plan.body, plan.headers)
+        except ApiError as err:
+            await svc.abandon(plan)
+            svc.metrics.requests.labels(self.route, str(err.status), plan.decision.pool, "").inc()
+            await send_error(send, err, plan.extra_headers)
+            return
+        try:
             await self._relay(svc, plan, up, t0, receive, send)
         finally:
-            svc.close(up)
             with contextlib.suppress(Exception):
                 await up.response.aclose()
 
@@ -83,7 +88,7 @@ class CompletionsEndpoint:
         self, svc: GatewayService, plan: Any, up: Upstream, t0: float, receive: Any, send: Any
     ) -> None:
         resp = up.response
-        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in HOP_HEADERS]
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in RESPONSE_DROP]
         headers += plan.response_headers(up)
         await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
 
@@ -128,4 +133,4 @@ class CompletionsEndpoint:
             watch.cancel()
             svc.metrics.e2e.labels(self.route).observe(time.perf_counter() - t0)
             svc.metrics.requests.labels(self.route, status, up.pool, up.engine).inc()
-            svc.finish(plan, up, status)
+            await svc.finish(plan, up, status)

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 from gateway.core.policies.base import Picker, Profile, Weighted
 from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
-from gateway.core.policies.pickers import CacheAware, MaxScore, RoundRobin, SessionHash, StickyBounded
+from gateway.core.policies.pickers import (
+    SCORE_REASON,
+    CacheAware,
+    MaxScore,
+    RoundRobin,
+    SessionHash,
+    StickyBounded,
+)
 from gateway.core.policies.scorers import (
     KvUsageScorer,
     ParentPrefixScorer,
@@ -136,6 +143,7 @@ class Router:
         candidates = self._score(req, snap, engines)
         pick = self.profile.picker.pick(req, snap, candidates)
         chosen = pick.candidate
+        reason = self._explain(chosen, candidates) if pick.reason == SCORE_REASON else pick.reason
         match = snap.matches.get(chosen.engine)
         cached = min(req.prompt_tokens, match.blocks * req.block_size) if match else 0
         same_pool = sorted(
@@ -145,13 +153,23 @@ class Router:
         return Decision(
             engine=chosen.engine,
             pool=chosen.pool,
-            reason=pick.reason,
+            reason=reason,
             profile=self.profile.name,
             cached_tokens=cached,
             uncached_tokens=req.prompt_tokens - cached,
             candidates=tuple(candidates),
             fallbacks=tuple(c.engine for c in same_pool),
         )
+
+    def _explain(self, chosen: Candidate, candidates: Sequence[Candidate]) -> str:
+        others = [c for c in candidates if c.engine != chosen.engine]
+        best_name, best_gap = "tie", 1e-9
+        for w in self.profile.scorers:
+            name = w.scorer.name
+            gap = w.weight * (chosen.scores.get(name, 0.0) - max(c.scores.get(name, 0.0) for c in others))
+            if gap > best_gap:
+                best_name, best_gap = name, gap
+        return best_name
 
     def _score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> list[Candidate]:
         per_scorer = [(w, w.scorer.score(req, snap, engines)) for w in self.profile.scorers if w.weight]

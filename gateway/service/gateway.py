@@ -1,45 +1,45 @@
-"""The gateway service: routes a parsed request, opens the upstream stream (with one retry on a
-connection failure), and records the outcome. Owns no HTTP edge concerns: the api layer pumps
-bytes; this layer decides where they go and keeps the books.
+"""The gateway service: turns a parsed request into a routing decision (hints, session, exact
+prompt block hashes, prefix matches, engine load), opens the upstream stream with one retry on a
+connection failure, and records the outcome (session placement, turn history).
+
+Decide and update are separate: :meth:`GatewayService.decide` only reads (it also serves the
+``/debug/route`` dry run); :meth:`GatewayService.plan` decides, then updates the session table and
+the approximate index; :meth:`GatewayService.finish` records what happened.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
+import orjson
+import zmq.asyncio
 
 from gateway.config import GatewayConfig
+from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints, HintError, parse_hints
+from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
-from gateway.core.types import Decision, RouteRequest, Snapshot
+from gateway.core.sessions import SessionRecord
+from gateway.core.types import Decision, PrefixMatch, RouteRequest, SessionView, Snapshot
 from gateway.errors import ApiError
 from gateway.protocol import ParsedRequest
 from gateway.service.cluster import Cluster
+from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS
+from gateway.service.session_store import SessionStore
+from gateway.service.tokenize import ChatTokenizer
 
 log = logging.getLogger("agentgw.gateway")
 
-
-@dataclass(slots=True)
-class Plan:
-    """Where a parsed request goes and what is sent there."""
-
-    decision: Decision
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-
-    def response_headers(self, up: Upstream) -> list[tuple[bytes, bytes]]:
-        d = self.decision
-        reason = d.reason if not up.retried else "retry"
-        return [
-            (b"x-agentgw-engine", up.engine.encode()),
-            (b"x-agentgw-pool", up.pool.encode()),
-            (b"x-agentgw-reason", reason.encode()),
-        ]
+_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS}
+MAX_SIBLING_PARENTS = 10_000
 
 
 @dataclass(slots=True)
@@ -50,6 +50,61 @@ class Upstream:
     retried: bool
 
 
+@dataclass(slots=True)
+class Analysis:
+    """Everything known about a request before deciding."""
+
+    hints: AgentHints
+    request: RouteRequest
+    snapshot: Snapshot
+    hashes: list[int]
+    exact: bool
+    """True when tokens and hashes are exact (a tokenizer is configured for the model)."""
+    record: SessionRecord | None
+    warning: str | None = None
+
+
+@dataclass(slots=True)
+class Plan:
+    """Where a parsed request goes and what is sent there."""
+
+    decision: Decision
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+    analysis: Analysis
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def response_headers(self, up: Upstream) -> list[tuple[bytes, bytes]]:
+        d = self.decision
+        reason = d.reason if not up.retried else "retry"
+        out = [
+            (b"x-agentgw-engine", up.engine.encode()),
+            (b"x-agentgw-pool", up.pool.encode()),
+            (b"x-agentgw-reason", reason.encode()),
+            (b"x-agentgw-cached-tokens-est", str(d.cached_tokens).encode()),
+        ]
+        sid = self.analysis.hints.session_id
+        if sid is not None:
+            out.append((b"x-agentgw-session", sid.encode()))
+        return out + self.extra_headers
+
+
+def decision_dict(d: Decision) -> dict[str, Any]:
+    return {
+        "engine": d.engine,
+        "pool": d.pool,
+        "reason": d.reason,
+        "profile": d.profile,
+        "cached_tokens_est": d.cached_tokens,
+        "uncached_tokens_est": d.uncached_tokens,
+        "candidates": [
+            {"engine": c.engine, "pool": c.pool, "total": round(c.total, 6), "scores": c.scores}
+            for c in d.candidates
+        ],
+        "fallbacks": list(d.fallbacks),
+    }
+
+
 class GatewayService:
     def __init__(
         self,
@@ -58,44 +113,198 @@ class GatewayService:
         cluster: Cluster,
         router: Router,
         metrics: GatewayMetrics,
+        sessions: SessionStore,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.client = client
         self.cluster = cluster
         self.router = router
         self.metrics = metrics
+        self.sessions = sessions
+        self.clock = clock
         self._seq = itertools.count()
-        self.block_size = 128
+        cap = config.routing.index_capacity_blocks
+        self.index = PrefixIndex(cap)
+        self.approx = PrefixIndex(cap)
+        self.tokenizers: dict[str, ChatTokenizer] = {
+            m.name: ChatTokenizer(m.tokenizer, m.block_size, m.hash_seed)
+            for m in config.models
+            if m.tokenizer
+        }
+        self.block_sizes = {m.name: m.block_size for m in config.models}
+        self._siblings: dict[str, Counter[str]] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+        self.subscribers: list[KvEventSubscriber] = []
 
-    def snapshot(self, req: RouteRequest) -> Snapshot:
-        return Snapshot(engines=self.cluster.views())
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._zmq = zmq.asyncio.Context()
+        for s in self.cluster.engines.values():
+            if s.config.kv_events:
+                sub = KvEventSubscriber(self._zmq, self.index, s.name, s.config.kv_events)
+                sub.start()
+                self.subscribers.append(sub)
 
-    def route(self, req: RouteRequest) -> Decision:
+    async def stop(self) -> None:
+        for sub in self.subscribers:
+            await sub.stop()
+        if self._zmq is not None:
+            self._zmq.term()
+        await self.sessions.close()
+
+    # -- deciding ------------------------------------------------------------------------------
+    def _approx_hashes(self, parsed: ParsedRequest) -> list[int]:
+        """Approximate prefix blocks: a hash chain over fixed-size chunks of the prompt text."""
+        body = parsed.body
+        if parsed.kind == "chat":
+            parts = []
+            for m in body["messages"]:
+                c = m.get("content")
+                if isinstance(c, list):
+                    c = "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+                parts.append(f"<{m.get('role')}>{c if isinstance(c, str) else ''}")
+            text = "".join(parts)
+        else:
+            p = body["prompt"]
+            text = p if isinstance(p, str) else orjson.dumps(p).decode()
+        size = self.config.routing.approx_chunk_chars
+        out, h = [], 0
+        for i in range(0, len(text) - size + 1, size):
+            h = hash((h, text[i : i + size]))
+            out.append(h)
+        return out
+
+    async def analyze(self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]]) -> Analysis:
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+        warning = None
         try:
-            decision = self.router.route(req, self.snapshot(req))
+            hints = parse_hints(hdrs, parsed.body)
+        except HintError as exc:
+            if self.config.hints.on_invalid == "reject":
+                raise ApiError(400, str(exc), exc.field, "invalid_hint") from None
+            hints, warning = AgentHints(), str(exc)
+        now = self.clock()
+        sid = hints.session_id
+        rec = await self.sessions.get(sid, now) if sid else None
+        if rec is not None and rec.ended:
+            rec = None
+        tok = self.tokenizers.get(parsed.model)
+        if tok is not None:
+            info = tok.prompt_info(parsed.kind, parsed.body, sid)
+            n_tokens, hashes, block_size, index = info.num_tokens, info.hashes, tok.block_size, self.index
+        else:
+            hashes = self._approx_hashes(parsed)
+            n_tokens = parsed.text_chars // 4
+            block_size, index = max(1, self.config.routing.approx_chunk_chars // 4), self.approx
+        matches = index.match(hashes)
+        parent_home, parent_matches = None, {}
+        parent_id = hints.parent_session_id
+        if parent_id is not None:
+            parent = await self.sessions.get(parent_id, now)
+            if parent is not None:
+                parent_home = parent.home
+                parent_matches = index.match(parent.prefix_hashes)
+        session_view = None
+        if sid is not None:
+            session_view = SessionView(
+                session_id=sid,
+                home=rec.home if rec else None,
+                pool=rec.pool if rec else None,
+                turns=rec.turns if rec else 0,
+                context_tokens=rec.context_tokens if rec else 0,
+                parent_home=parent_home,
+            )
+        req = RouteRequest(
+            model=parsed.model,
+            prompt_tokens=n_tokens,
+            block_size=block_size,
+            session_id=sid,
+            parent_session_id=parent_id,
+            is_subagent=hints.is_subagent,
+            fan_out=hints.fan_out or 0,
+            interactive=hints.interactive,
+            priority=hints.priority,
+            seq=next(self._seq),
+        )
+        siblings = dict(self._siblings.get(parent_id, {})) if parent_id else {}
+        snap = Snapshot(
+            engines=self.cluster.views(),
+            matches=matches,
+            session=session_view,
+            parent_matches=parent_matches,
+            siblings=siblings,
+        )
+        return Analysis(hints, req, snap, hashes, tok is not None, rec, warning)
+
+    def decide(self, a: Analysis) -> Decision:
+        try:
+            return self.router.route(a.request, a.snapshot)
         except NoEngine as exc:
             if exc.reason == "unknown_model":
                 raise ApiError(404, str(exc), "model", "model_not_found") from None
             raise ApiError(
                 503, str(exc), None, "no_healthy_engine", retry_after=self.config.limits.retry_after_s
             ) from None
-        self.metrics.decisions.labels(decision.profile, decision.pool, decision.reason).inc()
-        return decision
 
-    def plan(self, parsed: ParsedRequest, raw: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Plan:
-        req = RouteRequest(
-            model=parsed.model,
-            prompt_tokens=parsed.text_chars // 4,
-            block_size=self.block_size,
-            seq=next(self._seq),
-        )
-        decision = self.route(req)
-        fwd = [(k, v) for k, v in headers if k not in HOP_HEADERS]
-        return Plan(decision, raw, fwd)
+    # -- deciding + updating -------------------------------------------------------------------
+    async def plan(self, parsed: ParsedRequest, raw: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Plan:
+        a = await self.analyze(parsed, headers)
+        d = self.decide(a)
+        self.metrics.decisions.labels(d.profile, d.pool, d.reason).inc()
+        if not a.exact:
+            self.approx.apply_stored(d.engine, a.hashes)
+        await self._place(a, d)
+        body = self._forward_body(parsed, raw, a.hints)
+        fwd = [(k, v) for k, v in headers if k not in _DROP_HEADERS]
+        fwd.append((b"content-type", b"application/json"))
+        extra = [(b"x-agentgw-warning", a.warning.encode("latin-1", "replace"))] if a.warning else []
+        return Plan(d, body, fwd, a, extra)
 
-    def finish(self, plan: Plan, up: Upstream, status: str) -> None:
-        """Outcome of a relayed request (sessions and the planner hook in here)."""
+    async def _place(self, a: Analysis, d: Decision) -> None:
+        h = a.hints
+        if h.session_id is None:
+            return
+        now = self.clock()
+        rec = a.record or SessionRecord(h.session_id, created=now, last_activity=now)
+        rec.home, rec.pool = d.engine, d.pool
+        rec.parent = h.parent_session_id or rec.parent
+        rec.inflight += 1
+        rec.cached_tokens_est = d.cached_tokens
+        if h.expected_tool_latency_ms is not None:
+            rec.expected_gap_s = h.expected_tool_latency_ms / 1000
+        rec.last_decision = decision_dict(d)
+        await self.sessions.put(rec)
+        if h.parent_session_id is not None:
+            parent = await self.sessions.get(h.parent_session_id, now)
+            if parent is not None and h.session_id not in parent.children:
+                parent.add_child(h.session_id)
+                await self.sessions.put(parent)
+            sib = self._siblings.setdefault(h.parent_session_id, Counter())
+            sib[d.engine] += 1
+            if len(self._siblings) > MAX_SIBLING_PARENTS:
+                self._siblings.pop(next(iter(self._siblings)))
 
+    def _forward_body(self, parsed: ParsedRequest, raw: bytes, hints: AgentHints) -> bytes:
+        body = parsed.body
+        changed = False
+        for key in GATEWAY_BODY_KEYS:
+            if key in body:
+                body = {k: v for k, v in body.items() if k != key}
+                changed = True
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and "agentic_context" in xargs:
+            rest = {k: v for k, v in xargs.items() if k != "agentic_context"}
+            body = (
+                {**body, "vllm_xargs": rest} if rest else {k: v for k, v in body.items() if k != "vllm_xargs"}
+            )
+            changed = True
+        if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
+            body = {**body, "priority": hints.priority}
+            changed = True
+        return orjson.dumps(body) if changed else raw
+
+    # -- sending -------------------------------------------------------------------------------
     async def open(
         self, decision: Decision, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]]
     ) -> Upstream:
@@ -134,5 +343,60 @@ class GatewayService:
             "upstream_connect_error",
         )
 
-    def close(self, up: Upstream) -> None:
+    async def abandon(self, plan: Plan) -> None:
+        """The request was planned but never reached an engine."""
+        await self._settle(plan, None, ok=False)
+
+    async def finish(self, plan: Plan, up: Upstream, status: str) -> None:
         self.cluster.end(up.engine)
+        await self._settle(plan, up.engine, ok=status.startswith("2"))
+
+    async def _settle(self, plan: Plan, engine: str | None, ok: bool) -> None:
+        a = plan.analysis
+        h = a.hints
+        if h.parent_session_id is not None:
+            sib = self._siblings.get(h.parent_session_id)
+            if sib is not None:
+                sib[plan.decision.engine] -= 1
+                if sib[plan.decision.engine] <= 0:
+                    del sib[plan.decision.engine]
+                if not sib:
+                    del self._siblings[h.parent_session_id]
+        if h.session_id is None:
+            return
+        now = self.clock()
+        rec = await self.sessions.get(h.session_id, now)
+        if rec is None:
+            return
+        rec.inflight = max(0, rec.inflight - 1)
+        if engine is not None and engine != rec.home:
+            rec.home = engine  # a retry moved it
+        if ok:
+            rec.record_turn(now, a.request.prompt_tokens, a.hashes)
+        if h.session_end:
+            await self.end_session(h.session_id)
+        else:
+            await self.sessions.put(rec)
+
+    async def end_session(self, session_id: str) -> SessionRecord | None:
+        rec = await self.sessions.delete(session_id)
+        for tok in self.tokenizers.values():
+            tok.forget(session_id)
+        return rec
+
+    async def update_hints(self, session_id: str, hints: AgentHints) -> SessionRecord:
+        now = self.clock()
+        rec = await self.sessions.get(session_id, now) or SessionRecord(
+            session_id, created=now, last_activity=now
+        )
+        if hints.expected_tool_latency_ms is not None:
+            rec.expected_gap_s = hints.expected_tool_latency_ms / 1000
+        if hints.parent_session_id is not None:
+            rec.parent = hints.parent_session_id
+        rec.last_activity = now
+        await self.sessions.put(rec)
+        return rec
+
+    def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
+        index = self.index if self.tokenizers else self.approx
+        return index.match(rec.prefix_hashes)

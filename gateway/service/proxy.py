@@ -30,6 +30,10 @@ HOP_HEADERS = frozenset(
 )
 
 
+#: Upstream response headers not relayed (the gateway's server sets its own).
+RESPONSE_DROP = HOP_HEADERS | {b"date", b"server"}
+
+
 def make_client(
     config: GatewayConfig, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:

@@ -28,15 +28,13 @@ from dataclasses import dataclass
 from gateway.core.policies.base import Pick, stable_hash
 from gateway.core.types import Candidate, RouteRequest, Snapshot
 
+#: The reason a score-based pick reports; the router replaces it with the name of the scorer that
+#: separated the winner from the runner-up most (weight x score gap), or ``tie``.
+SCORE_REASON = "score"
+
 
 def _tiebreak_key(req: RouteRequest) -> str:
     return req.session_id or str(req.seq)
-
-
-def _dominant(c: Candidate) -> str:
-    if not c.scores:
-        return "only"
-    return max(c.scores.items(), key=lambda kv: kv[1])[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +44,7 @@ class MaxScore:
     def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
         key = _tiebreak_key(req)
         best = max(candidates, key=lambda c: (round(c.total, 9), stable_hash(key + c.engine)))
-        return Pick(best, _dominant(best) if len(candidates) > 1 else "only")
+        return Pick(best, SCORE_REASON if len(candidates) > 1 else "only")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +100,8 @@ class StickyBounded:
         top = MaxScore().pick(req, snap, candidates)
         if req.is_subagent and top.candidate.scores.get("parent_prefix", 0.0) > 0:
             return Pick(top.candidate, "subagent_parent")
+        if req.session_id is not None and top.reason in (SCORE_REASON, "only"):
+            return Pick(top.candidate, "new_session")
         return top
 
 

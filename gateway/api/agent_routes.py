@@ -1,0 +1,125 @@
+"""Out-of-band session API and the routing dry run.
+
+- ``POST /v1/agent/sessions/{id}/hints``: hints between turns ("tool started, expect 40 s").
+- ``GET /v1/agent/sessions/{id}``: home engine, pool, turns, estimated cached tokens, last
+  decision with its reasons.
+- ``DELETE /v1/agent/sessions/{id}``: the session is over; its state is released.
+- ``POST /debug/route``: what the router would decide for a request (per-scorer breakdown), with
+  no side effect. ``?endpoint=completions`` for a completions body (default chat).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from gateway.core.hints import HintError, parse_hints
+from gateway.errors import ApiError
+from gateway.protocol import parse_body
+from gateway.service.gateway import GatewayService, decision_dict
+
+router = APIRouter()
+
+
+def _svc(request: Request) -> GatewayService:
+    svc: GatewayService = request.app.state.service
+    return svc
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def _session_json(svc: GatewayService, rec: Any) -> dict[str, Any]:
+    matches = svc.session_matches(rec)
+    return {
+        "id": rec.session_id,
+        "object": "agent.session",
+        "home_engine": rec.home,
+        "pool": rec.pool,
+        "turns": rec.turns,
+        "context_tokens": rec.context_tokens,
+        "estimated_cached_tokens": rec.cached_tokens_est,
+        "cached_blocks_by_engine": {e: m.blocks for e, m in matches.items()},
+        "parent_session_id": rec.parent,
+        "children": rec.children,
+        "expected_gap_s": rec.expected_gap(),
+        "inflight": rec.inflight,
+        "last_activity": rec.last_activity,
+        "last_decision": rec.last_decision,
+    }
+
+
+@router.post("/v1/agent/sessions/{session_id}/hints", summary="Send hints between turns")
+async def post_hints(session_id: str, request: Request) -> JSONResponse:
+    svc = _svc(request)
+    body = await _json_object(request)
+    try:
+        hints = parse_hints({}, {"agent_hints": body})
+    except HintError as exc:
+        raise ApiError(400, str(exc), exc.field.removeprefix("agent_hints."), "invalid_hint") from None
+    if hints.session_end:
+        rec = await svc.end_session(session_id)
+        return JSONResponse(
+            {"id": session_id, "object": "agent.session", "ended": True, "existed": rec is not None}
+        )
+    rec = await svc.update_hints(session_id, hints)
+    return JSONResponse(_session_json(svc, rec))
+
+
+@router.get("/v1/agent/sessions/{session_id}", summary="A session's placement and last decision")
+async def get_session(session_id: str, request: Request) -> JSONResponse:
+    svc = _svc(request)
+    rec = await svc.sessions.get(session_id, svc.clock())
+    if rec is None:
+        raise ApiError(
+            404,
+            f"session '{session_id}' is not known (never seen, ended or expired)",
+            "session_id",
+            "session_not_found",
+        )
+    return JSONResponse(_session_json(svc, rec))
+
+
+@router.delete("/v1/agent/sessions/{session_id}", summary="End a session and release its state")
+async def delete_session(session_id: str, request: Request) -> JSONResponse:
+    rec = await _svc(request).end_session(session_id)
+    if rec is None:
+        raise ApiError(404, f"session '{session_id}' is not known", "session_id", "session_not_found")
+    return JSONResponse({"id": session_id, "object": "agent.session", "deleted": True})
+
+
+@router.post("/debug/route", summary="Dry-run routing with the per-scorer breakdown")
+async def debug_route(
+    request: Request, endpoint: Literal["chat", "completions"] = Query("chat")
+) -> JSONResponse:
+    svc = _svc(request)
+    raw = await request.body()
+    parsed = parse_body(endpoint, raw)
+    a = await svc.analyze(parsed, request.headers.raw)
+    d = svc.decide(a)
+    hints = {k: getattr(a.hints, k) for k in a.hints.sources}
+    return JSONResponse(
+        {
+            "decision": decision_dict(d),
+            "prompt_tokens": a.request.prompt_tokens,
+            "exact_hashes": a.exact,
+            "blocks": len(a.hashes),
+            "matches": {
+                e: {"blocks": m.blocks, "gpu_blocks": m.gpu_blocks} for e, m in a.snapshot.matches.items()
+            },
+            "hints": hints,
+            "hint_sources": a.hints.sources,
+            "warning": a.warning,
+        }
+    )

@@ -1,0 +1,336 @@
+"""Every agent-hint dialect -> one :class:`AgentHints`.
+
+Sources, highest precedence first (a field takes the first source that sets it):
+
+1. ours, body: ``agent_hints`` {session_id, parent_session_id, agent_id, agent_role,
+   turn_index, expected_tool_latency_ms, fan_out, latency_class, session_end, priority,
+   kv_retention_ttl_s}
+2. ours, headers: ``X-Agent-Session-Id``, ``X-Agent-Parent-Session-Id``, ``X-Agent-Id``,
+   ``X-Agent-Role``, ``X-Agent-Turn``, ``X-Agent-Tool-Latency-Ms``, ``X-Agent-Fan-Out``,
+   ``X-Agent-Latency-Class``, ``X-Agent-Session-End``, ``X-Agent-Priority``
+3. Dynamo: ``X-Dynamo-Session-ID``, ``X-Dynamo-Parent-Session-ID``, ``X-Dynamo-Session-Final``,
+   body ``nvext.agent_hints`` {priority, osl, speculative_prefill}
+4. the Rust vLLM router: body ``vllm_xargs.agentic_context`` {session_id, parent_session_id /
+   parent_ids, agent_role, expected_resume (s), kv_retention_ttl_seconds, priority}
+5. vLLM: header ``X-Session-ID``, body ``session_id``
+6. Claude Code: ``x-claude-code-session-id``, ``x-claude-code-agent-id``,
+   ``x-claude-code-parent-agent-id`` (a subagent's session is ``<session>#<agent>``, its parent
+   ``<session>#<parent agent>`` or ``<session>`` for the main agent)
+7. Codex: ``session-id``, ``thread-id``
+8. aiperf: ``X-Correlation-ID``
+9. OpenAI: ``prompt_cache_key``, then ``user`` as a last resort.
+
+Validation: ids are 1-256 printable characters; numbers are bounded (see ``_RANGES``). An invalid
+value raises :class:`HintError` naming the field as the client wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+MAX_ID_LEN = 256
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "turn_index": (0, 1_000_000),
+    "expected_tool_latency_ms": (0, 7 * 24 * 3600 * 1000),
+    "fan_out": (0, 1024),
+    "priority": (-1_000_000, 1_000_000),
+    "kv_retention_ttl_s": (0, 7 * 24 * 3600),
+    "osl": (0, 10_000_000),
+}
+
+#: Body keys that only the gateway understands: removed before forwarding.
+GATEWAY_BODY_KEYS = ("agent_hints", "nvext")
+#: Header names (lowercase) that carry hints: never forwarded to engines.
+HINT_HEADERS = frozenset(
+    {
+        "x-agent-session-id",
+        "x-agent-parent-session-id",
+        "x-agent-id",
+        "x-agent-role",
+        "x-agent-turn",
+        "x-agent-tool-latency-ms",
+        "x-agent-fan-out",
+        "x-agent-latency-class",
+        "x-agent-session-end",
+        "x-agent-priority",
+        "x-dynamo-session-id",
+        "x-dynamo-parent-session-id",
+        "x-dynamo-session-final",
+    }
+)
+
+
+class HintError(ValueError):
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"invalid hint '{field_name}': {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHints:
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    agent_id: str | None = None
+    agent_role: str | None = None
+    """``main`` or ``subagent``."""
+    turn_index: int | None = None
+    expected_tool_latency_ms: int | None = None
+    fan_out: int | None = None
+    latency_class: str | None = None
+    """``interactive`` or ``background``."""
+    session_end: bool = False
+    priority: int | None = None
+    kv_retention_ttl_s: float | None = None
+    osl: int | None = None
+    speculative_prefill: bool = False
+    sources: dict[str, str] = field(default_factory=dict)
+    """For each set field, the dialect it came from (for explanations)."""
+
+    @property
+    def is_subagent(self) -> bool:
+        return self.agent_role == "subagent" or (
+            self.agent_role is None and self.parent_session_id is not None
+        )
+
+    @property
+    def interactive(self) -> bool:
+        if self.latency_class is not None:
+            return self.latency_class == "interactive"
+        return not self.is_subagent
+
+    def merged(self, other: AgentHints) -> AgentHints:
+        """``self`` with the fields ``other`` sets overriding (for out-of-band updates)."""
+        changes: dict[str, Any] = {}
+        for name in other.sources:
+            changes[name] = getattr(other, name)
+        if other.session_end:
+            changes["session_end"] = True
+        return replace(self, **changes, sources={**self.sources, **other.sources})
+
+
+# -- value checks ------------------------------------------------------------------------------
+def _id(name: str, v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = str(v)
+    if not isinstance(v, str):
+        raise HintError(name, "must be a string")
+    text: str = v.strip()
+    if not text or len(text) > MAX_ID_LEN or not text.isprintable():
+        raise HintError(name, f"must be 1-{MAX_ID_LEN} printable characters")
+    return text
+
+
+def _num(name: str, key: str, v: Any, integer: bool = True) -> Any:
+    if isinstance(v, str):
+        try:
+            v = float(v) if "." in v or "e" in v.lower() else int(v)
+        except ValueError:
+            raise HintError(name, "must be a number") from None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise HintError(name, "must be a number")
+    if integer and isinstance(v, float):
+        if not v.is_integer():
+            raise HintError(name, "must be an integer")
+        v = int(v)
+    lo, hi = _RANGES[key]
+    if not lo <= v <= hi:
+        raise HintError(name, f"must be between {lo:g} and {hi:g}")
+    return v
+
+
+def _bool(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(v, int):
+        return v != 0
+    raise HintError(name, "must be a boolean")
+
+
+def _enum(name: str, v: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v.strip().lower() not in allowed:
+        raise HintError(name, f"must be one of {', '.join(allowed)}")
+    return v.strip().lower()
+
+
+# -- parsing -----------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        if value is not None and key not in self.values:
+            self.values[key] = value
+            self.sources[key] = source
+
+
+def _ours(b: _Builder, d: Mapping[str, Any], source: str, prefix: str) -> None:
+    def name(k: str) -> str:
+        return f"{prefix}{k}"
+
+    for key in ("session_id", "parent_session_id", "agent_id"):
+        if d.get(key) is not None:
+            b.set(key, _id(name(key), d[key]), source)
+    if d.get("agent_role") is not None:
+        b.set("agent_role", _enum(name("agent_role"), d["agent_role"], ("main", "subagent")), source)
+    for key in ("turn_index", "expected_tool_latency_ms", "fan_out", "priority"):
+        if d.get(key) is not None:
+            b.set(key, _num(name(key), key, d[key]), source)
+    if d.get("kv_retention_ttl_s") is not None:
+        b.set(
+            "kv_retention_ttl_s",
+            _num(name("kv_retention_ttl_s"), "kv_retention_ttl_s", d["kv_retention_ttl_s"], False),
+            source,
+        )
+    if d.get("latency_class") is not None:
+        b.set(
+            "latency_class",
+            _enum(name("latency_class"), d["latency_class"], ("interactive", "background")),
+            source,
+        )
+    if d.get("session_end") is not None:
+        b.set("session_end", _bool(name("session_end"), d["session_end"]), source)
+
+
+_HEADER_FIELDS = {
+    "x-agent-session-id": "session_id",
+    "x-agent-parent-session-id": "parent_session_id",
+    "x-agent-id": "agent_id",
+    "x-agent-role": "agent_role",
+    "x-agent-turn": "turn_index",
+    "x-agent-tool-latency-ms": "expected_tool_latency_ms",
+    "x-agent-fan-out": "fan_out",
+    "x-agent-latency-class": "latency_class",
+    "x-agent-session-end": "session_end",
+    "x-agent-priority": "priority",
+}
+
+
+def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHints:
+    """Collect hints from every dialect. ``headers`` has lowercase names."""
+    b = _Builder()
+    ah = body.get("agent_hints")
+    if ah is not None:
+        if not isinstance(ah, dict):
+            raise HintError("agent_hints", "must be an object")
+        _ours(b, ah, "agent_hints", "agent_hints.")
+    hdr = {f: headers[h] for h, f in _HEADER_FIELDS.items() if h in headers}
+    if hdr:
+        # report header names in errors
+        for h, f in _HEADER_FIELDS.items():
+            if h in headers:
+                try:
+                    _ours(_Builder(), {f: headers[h]}, "", "")
+                except HintError as exc:
+                    raise HintError(h, str(exc).split(": ", 1)[1]) from None
+        _ours(b, hdr, "headers", "")
+
+    # Dynamo
+    if "x-dynamo-session-id" in headers:
+        b.set("session_id", _id("X-Dynamo-Session-ID", headers["x-dynamo-session-id"]), "dynamo")
+    if "x-dynamo-parent-session-id" in headers:
+        b.set(
+            "parent_session_id",
+            _id("X-Dynamo-Parent-Session-ID", headers["x-dynamo-parent-session-id"]),
+            "dynamo",
+        )
+    if "x-dynamo-session-final" in headers:
+        b.set("session_end", _bool("X-Dynamo-Session-Final", headers["x-dynamo-session-final"]), "dynamo")
+    nvext = body.get("nvext")
+    if nvext is not None:
+        if not isinstance(nvext, dict):
+            raise HintError("nvext", "must be an object")
+        nah = nvext.get("agent_hints")
+        if nah is not None:
+            if not isinstance(nah, dict):
+                raise HintError("nvext.agent_hints", "must be an object")
+            if nah.get("priority") is not None:
+                b.set("priority", _num("nvext.agent_hints.priority", "priority", nah["priority"]), "dynamo")
+            if nah.get("osl") is not None:
+                b.set("osl", _num("nvext.agent_hints.osl", "osl", nah["osl"]), "dynamo")
+            if nah.get("speculative_prefill") is not None:
+                b.set(
+                    "speculative_prefill",
+                    _bool("nvext.agent_hints.speculative_prefill", nah["speculative_prefill"]),
+                    "dynamo",
+                )
+
+    # the Rust vLLM router
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and xargs.get("agentic_context") is not None:
+        ac = xargs["agentic_context"]
+        p = "vllm_xargs.agentic_context."
+        if not isinstance(ac, dict):
+            raise HintError("vllm_xargs.agentic_context", "must be an object")
+        if ac.get("session_id") is not None:
+            b.set("session_id", _id(p + "session_id", ac["session_id"]), "vllm_router")
+        parent = ac.get("parent_session_id")
+        if parent is None and isinstance(ac.get("parent_ids"), list) and ac["parent_ids"]:
+            parent = ac["parent_ids"][-1]
+        if parent is not None:
+            b.set("parent_session_id", _id(p + "parent_ids", parent), "vllm_router")
+        if ac.get("agent_role") is not None:
+            role = str(ac["agent_role"]).lower()
+            b.set(
+                "agent_role",
+                "main" if role in ("main", "root", "orchestrator") else "subagent",
+                "vllm_router",
+            )
+        if ac.get("expected_resume") is not None:
+            secs = _num(p + "expected_resume", "kv_retention_ttl_s", ac["expected_resume"], False)
+            b.set("expected_tool_latency_ms", int(secs * 1000), "vllm_router")
+        if ac.get("kv_retention_ttl_seconds") is not None:
+            b.set(
+                "kv_retention_ttl_s",
+                _num(
+                    p + "kv_retention_ttl_seconds",
+                    "kv_retention_ttl_s",
+                    ac["kv_retention_ttl_seconds"],
+                    False,
+                ),
+                "vllm_router",
+            )
+        if ac.get("priority") is not None:
+            b.set("priority", _num(p + "priority", "priority", ac["priority"]), "vllm_router")
+
+    # vLLM
+    if "x-session-id" in headers:
+        b.set("session_id", _id("X-Session-ID", headers["x-session-id"]), "vllm")
+    if body.get("session_id") is not None:
+        b.set("session_id", _id("session_id", body["session_id"]), "vllm")
+
+    # Claude Code
+    cc = headers.get("x-claude-code-session-id")
+    if cc is not None:
+        cc = _id("x-claude-code-session-id", cc)
+        agent = headers.get("x-claude-code-agent-id")
+        parent_agent = headers.get("x-claude-code-parent-agent-id")
+        if agent is not None:
+            agent = _id("x-claude-code-agent-id", agent)
+            b.set("session_id", f"{cc}#{agent}", "claude_code")
+            b.set("agent_id", agent, "claude_code")
+            if parent_agent is not None:
+                parent_agent = _id("x-claude-code-parent-agent-id", parent_agent)
+                b.set("parent_session_id", f"{cc}#{parent_agent}", "claude_code")
+            else:
+                b.set("parent_session_id", cc, "claude_code")
+            b.set("agent_role", "subagent", "claude_code")
+        else:
+            b.set("session_id", cc, "claude_code")
+
+    # Codex, aiperf, OpenAI
+    for h, source in (("session-id", "codex"), ("thread-id", "codex"), ("x-correlation-id", "aiperf")):
+        if h in headers:
+            b.set("session_id", _id(h, headers[h]), source)
+    for key in ("prompt_cache_key", "user"):
+        if body.get(key) is not None:
+            b.set("session_id", _id(key, body[key]), "openai")
+
+    if b.values.get("agent_role") is None and b.values.get("parent_session_id") is not None:
+        b.set("agent_role", "subagent", b.sources["parent_session_id"])
+    return AgentHints(**b.values, sources=b.sources)

@@ -1,0 +1,133 @@
+"""A bounded, event-sourced index of which engine holds which KV block, and on what medium.
+
+Fed by vLLM KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) for the
+full-attention cache group, or by routing decisions for the approximate (text) variant.
+
+``match(hashes)`` answers, per engine, the longest prefix of the request's block chain it holds.
+vLLM frees a request's blocks tail first and only ever reuses a prefix, so a held chain is prefix
+closed in practice; ``match`` relies on that and binary-searches, which makes a decision
+O(engines * log(blocks)) instead of O(context). :func:`match_linear` is the naive reference the
+property tests compare against.
+
+Bounded: each engine keeps at most ``capacity_per_engine`` blocks; beyond that the least
+recently stored are forgotten (an engine cannot hold more than its KV capacity anyway).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from gateway.core.types import Medium, PrefixMatch
+
+
+class PrefixIndex:
+    def __init__(self, capacity_per_engine: int = 1 << 20) -> None:
+        self.capacity_per_engine = capacity_per_engine
+        self._holders: dict[int, dict[str, int]] = {}
+        """block hash -> engine -> bit mask of the media holding it (bit ``1 << medium``)."""
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def engine_blocks(self, engine: str) -> int:
+        return len(self._lru.get(engine, ()))
+
+    # -- updates -------------------------------------------------------------------------------
+    def apply_stored(self, engine: str, hashes: Sequence[int], medium: Medium = Medium.GPU) -> None:
+        lru = self._lru.setdefault(engine, OrderedDict())
+        for h in hashes:
+            holders = self._holders.setdefault(h, {})
+            holders[engine] = holders.get(engine, 0) | (1 << medium)
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity_per_engine:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, engine)
+
+    def apply_removed(self, engine: str, hashes: Sequence[int], medium: Medium | None = None) -> None:
+        """Forget blocks on ``engine``. With a medium, only the copy on that medium goes: a block
+        evicted from device memory may still sit in the CPU tier."""
+        lru = self._lru.get(engine)
+        if lru is None:
+            return
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None or engine not in holders:
+                continue
+            if medium is not None:
+                mask = holders[engine] & ~(1 << medium)
+                if mask:
+                    holders[engine] = mask
+                    continue
+            lru.pop(h, None)
+            self._drop(h, engine)
+
+    def clear(self, engine: str) -> None:
+        for h in self._lru.pop(engine, OrderedDict()):
+            self._drop(h, engine)
+
+    def _drop(self, h: int, engine: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.pop(engine, None)
+            if not holders:
+                del self._holders[h]
+
+    # -- queries -------------------------------------------------------------------------------
+    def holds(self, engine: str, h: int) -> Medium | None:
+        """The best medium holding block ``h`` on ``engine``, or None."""
+        holders = self._holders.get(h)
+        mask = holders.get(engine, 0) if holders else 0
+        return Medium(mask.bit_length() - 1) if mask else None
+
+    def match(self, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
+        if not hashes:
+            return {}
+        first = self._holders.get(hashes[0])
+        if not first:
+            return {}
+        out: dict[str, PrefixMatch] = {}
+        for engine in first:
+            n = self._longest(engine, hashes, Medium.STORAGE)
+            gpu = self._longest(engine, hashes, Medium.GPU)
+            cpu = self._longest(engine, hashes, Medium.CPU)
+            weighted = (
+                gpu * Medium.GPU.weight + (cpu - gpu) * Medium.CPU.weight + (n - cpu) * Medium.STORAGE.weight
+            )
+            out[engine] = PrefixMatch(blocks=n, gpu_blocks=gpu, weighted_blocks=weighted)
+        return out
+
+    def _longest(self, engine: str, hashes: Sequence[int], at_least: Medium) -> int:
+        """Largest k such that hashes[k-1] is held by ``engine`` on a medium >= ``at_least``
+        (binary search over a prefix-closed chain)."""
+
+        def ok(i: int) -> bool:
+            m = self.holds(engine, hashes[i])
+            return m is not None and m >= at_least
+
+        if not ok(0):
+            return 0
+        lo, hi = 1, len(hashes)  # ok(lo - 1) holds; find the first failing index in [lo, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+
+def match_linear(index: PrefixIndex, hashes: Sequence[int]) -> dict[str, int]:
+    """Reference: per engine, the longest prefix held (any medium), by a linear scan."""
+    engines = {e for h in hashes[:1] for e in (index._holders.get(h) or {})}
+    out: dict[str, int] = {}
+    for e in engines:
+        n = 0
+        for h in hashes:
+            if index.holds(e, h) is None:
+                break
+            n += 1
+        out[e] = n
+    return out

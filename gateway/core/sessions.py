@@ -1,0 +1,147 @@
+"""The session table: placement and history of each agent session, bounded by capacity and TTL.
+
+A record holds the home engine and pool, turns, last activity, context length, parent and
+children, a prefix summary (the last prompt's block hashes, for subagent placement and the
+planner) and the last decision with its reasons. ``now`` is always passed in (seconds).
+
+Eviction: a record idle for longer than ``ttl_s`` is gone (checked on access and by ``expire``);
+beyond ``capacity`` records the least recently active goes first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_CHILDREN = 64
+MAX_HASHES = 4096
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    session_id: str
+    home: str | None = None
+    pool: str | None = None
+    turns: int = 0
+    created: float = 0.0
+    last_activity: float = 0.0
+    context_tokens: int = 0
+    cached_tokens_est: int = 0
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
+    prefix_hashes: list[int] = field(default_factory=list)
+    """External block hashes of the last prompt (capped at MAX_HASHES)."""
+    expected_gap_s: float | None = None
+    """Hinted time until the next turn (tool latency), if any."""
+    observed_gaps: list[float] = field(default_factory=list)
+    inflight: int = 0
+    ended: bool = False
+    last_decision: dict[str, Any] | None = None
+
+    def add_child(self, child: str) -> None:
+        if child not in self.children:
+            self.children.append(child)
+            del self.children[:-MAX_CHILDREN]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "home": self.home,
+            "pool": self.pool,
+            "turns": self.turns,
+            "created": self.created,
+            "last_activity": self.last_activity,
+            "context_tokens": self.context_tokens,
+            "cached_tokens_est": self.cached_tokens_est,
+            "parent": self.parent,
+            "children": list(self.children),
+            "prefix_hashes": list(self.prefix_hashes),
+            "expected_gap_s": self.expected_gap_s,
+            "observed_gaps": list(self.observed_gaps),
+            "inflight": self.inflight,
+            "ended": self.ended,
+            "last_decision": self.last_decision,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionRecord:
+        return cls(**{k: d[k] for k in cls.__slots__ if k in d})
+
+    def record_turn(self, now: float, context_tokens: int, hashes: list[int]) -> None:
+        if self.turns and self.last_activity:
+            self.observed_gaps.append(max(0.0, now - self.last_activity))
+            del self.observed_gaps[:-16]
+        self.turns += 1
+        self.last_activity = now
+        self.context_tokens = context_tokens
+        self.prefix_hashes = hashes[-MAX_HASHES:] if len(hashes) > MAX_HASHES else list(hashes)
+
+    def expected_gap(self) -> float | None:
+        """The hinted gap, else the median observed gap, else None."""
+        if self.expected_gap_s is not None:
+            return self.expected_gap_s
+        if not self.observed_gaps:
+            return None
+        s = sorted(self.observed_gaps)
+        return s[len(s) // 2]
+
+
+class SessionTable:
+    def __init__(self, capacity: int = 100_000, ttl_s: float = 3600.0) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._records: OrderedDict[str, SessionRecord] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._records
+
+    def get(self, session_id: str, now: float) -> SessionRecord | None:
+        rec = self._records.get(session_id)
+        if rec is None:
+            return None
+        if now - rec.last_activity > self.ttl_s:
+            del self._records[session_id]
+            return None
+        return rec
+
+    def get_or_create(self, session_id: str, now: float) -> SessionRecord:
+        rec = self.get(session_id, now)
+        if rec is None:
+            rec = SessionRecord(session_id, created=now, last_activity=now)
+            self.put(rec)
+        return rec
+
+    def put(self, rec: SessionRecord) -> list[SessionRecord]:
+        """Insert or refresh; returns the records evicted for capacity."""
+        self._records[rec.session_id] = rec
+        self._records.move_to_end(rec.session_id)
+        evicted = []
+        while len(self._records) > self.capacity:
+            _, old = self._records.popitem(last=False)
+            evicted.append(old)
+        return evicted
+
+    def touch(self, session_id: str) -> None:
+        if session_id in self._records:
+            self._records.move_to_end(session_id)
+
+    def remove(self, session_id: str) -> SessionRecord | None:
+        return self._records.pop(session_id, None)
+
+    def expire(self, now: float) -> list[SessionRecord]:
+        """Drop every record idle for longer than the TTL (oldest first; stops at the first fresh
+        one since the order is by last activity)."""
+        gone = []
+        while self._records:
+            sid, rec = next(iter(self._records.items()))
+            if now - rec.last_activity <= self.ttl_s:
+                break
+            del self._records[sid]
+            gone.append(rec)
+        return gone

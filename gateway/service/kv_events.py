@@ -1,0 +1,108 @@
+"""Subscribes to each engine's vLLM KV-event publisher (ZMQ PUB) and applies the events to the
+precise prefix index.
+
+Wire format: ``[topic, seq (8 bytes big-endian), msgpack([ts, [event...], dp_rank])]``; each
+event is a map tagged with ``type``: ``BlockStored`` (block_hashes, medium, group_idx,
+kv_cache_spec_kind, ...), ``BlockRemoved`` (block_hashes, medium, group_idx),
+``AllBlocksCleared``. Only full-attention groups are indexed (sliding-window groups publish only
+their tail window, and linear-attention state is not a prefix of blocks). A gap in ``seq`` means
+events were lost: the engine's entries are then cleared rather than trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from gateway.core.prefix_index import PrefixIndex
+from gateway.core.types import Medium
+
+log = logging.getLogger("agentgw.kv_events")
+
+_FULL_KINDS = frozenset({None, "full_attention", "mla_attention", "sink_full_attention"})
+
+
+def apply_event(index: PrefixIndex, engine: str, ev: Any, other_groups: set[int]) -> None:
+    """Apply one decoded event. ``other_groups`` collects the group indexes learned to be
+    non-full-attention, whose removals must not touch the full-attention entries."""
+    if not isinstance(ev, dict):
+        return
+    kind = ev.get("type")
+    group = ev.get("group_idx")
+    if kind == "BlockStored":
+        if ev.get("kv_cache_spec_kind") not in _FULL_KINDS:
+            if group is not None:
+                other_groups.add(group)
+            return
+        index.apply_stored(engine, ev.get("block_hashes") or [], Medium.parse(ev.get("medium")))
+    elif kind == "BlockRemoved":
+        if group is not None and group in other_groups:
+            return
+        index.apply_removed(engine, ev.get("block_hashes") or [], Medium.parse(ev.get("medium")))
+    elif kind == "AllBlocksCleared":
+        index.clear(engine)
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        index: PrefixIndex,
+        engine: str,
+        endpoint: str,
+        topic: str = "kv-events",
+    ) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.engine = engine
+        self.endpoint = endpoint
+        self.topic = topic
+        self.events = 0
+        self.gaps = 0
+        self._last_seq: int | None = None
+        self._other_groups: set[int] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.engine}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        sock.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    self._handle(frames)
+                except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+                    log.warning("bad KV event from %s: %r", self.engine, exc)
+        finally:
+            sock.close(0)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 3:
+            return
+        seq = int.from_bytes(frames[1], "big")
+        if self._last_seq is not None and seq > self._last_seq + 1:
+            self.gaps += 1
+            self.index.clear(self.engine)
+        self._last_seq = seq
+        batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+        for ev in batch[1]:
+            apply_event(self.index, self.engine, ev, self._other_groups)
+            self.events += 1
