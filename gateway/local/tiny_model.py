@@ -13,6 +13,11 @@ Architectures (served names in `SERVED_MODEL_NAMES`):
   then 1 full-attention layer); vLLM's hybrid KV manager makes 4 cache groups of it.
 - `qwen3_next`: 1 gated-delta-net (linear attention) layer and 1 full-attention layer, each with a
   4-expert MoE MLP. Linear key/value head dims are 128: vLLM's CPU GDN kernel fails with 32.
+  vLLM sizes its blocks to 384 tokens (attention page >= linear-state page) and, in its "align"
+  prefix-cache mode, keeps the linear state only where a prefill chunk ends on a block boundary:
+  serve it with `SERVE_ARGS["qwen3_next"]` (chunks of one block) for hits of
+  floor((prompt_tokens - 1) / 384) * 384 tokens on a repeated prompt; with vLLM's default chunk
+  size, whether a repeated prompt hits depends on its length.
 
 torch and safetensors are imported inside functions: `gateway` imports without them.
 
@@ -34,6 +39,7 @@ __all__ = [
     "GEMMA3_SLIDING_WINDOW",
     "MAX_POSITION_EMBEDDINGS",
     "SERVED_MODEL_NAMES",
+    "SERVE_ARGS",
     "SPECIAL_TOKENS",
     "VOCAB_SIZE",
     "build_tiny_model",
@@ -43,6 +49,13 @@ __all__ = [
 
 ARCHS = ("llama", "gemma3", "qwen3_next")
 SERVED_MODEL_NAMES = {"llama": "tiny-llama", "gemma3": "tiny-gemma3", "qwen3_next": "tiny-qwen3-next"}
+
+# Extra vLLM arguments each model needs for dependable prefix-cache hits (see the docstring).
+SERVE_ARGS: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "gemma3": (),
+    "qwen3_next": ("--max-num-batched-tokens", "384"),
+}
 
 VOCAB_SIZE = 4096
 MAX_POSITION_EMBEDDINGS = 131072  # room for 64K-token prompts plus output

@@ -178,11 +178,11 @@ class Cluster:
 
     async def _loop(self, fn: str, interval: float) -> None:
         while True:
+            await asyncio.sleep(interval)
             try:
                 await getattr(self, fn)()
             except Exception:  # a refresh must never kill the loop; the next one retries
                 log.exception("%s failed", fn)
-            await asyncio.sleep(interval)
 
     def start(self) -> None:
         t = self._config.timeouts

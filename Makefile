@@ -1,0 +1,20 @@
+.PHONY: install run test lint bench
+
+install:
+	./scripts/setup.sh
+
+run:
+	./scripts/run.sh
+
+test:
+	./scripts/test.sh
+
+lint:
+	.venv/bin/ruff check gateway engine_ext kernels benchmarks tests
+	.venv/bin/ruff format --check gateway engine_ext kernels benchmarks tests
+	.venv/bin/mypy
+
+bench:
+	.venv/bin/python -m benchmarks.overhead
+	.venv/bin/python -m benchmarks.routing_cost
+	.venv/bin/python -m benchmarks.compare

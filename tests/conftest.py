@@ -1,0 +1,188 @@
+"""Shared fixtures: real vLLM engines on the tiny models, a real redis-server, gateways served by
+uvicorn on loopback. Everything is started here and stopped at the end of the session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.api.app import create_app
+from gateway.config import load_config
+from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.tiny_model import build_tiny_model
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("agentgw")
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    d = Path(os.environ.get("AGENTGW_TEST_MODELS", "/tmp/agentgw-test-models"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir: Path) -> Path:
+    return build_tiny_model(models_dir / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(models_dir: Path) -> Path:
+    return build_tiny_model(models_dir / "tiny-gemma3", "gemma3")
+
+
+def engine_specs(
+    model_dir: Path, names: list[str], logs: Path, served: str = MODEL, **kw: Any
+) -> list[EngineSpec]:
+    ports = free_ports(2 * len(names))
+    return [
+        EngineSpec(
+            name=n,
+            model_dir=model_dir,
+            served_model_name=served,
+            port=ports[2 * i],
+            kv_events_port=ports[2 * i + 1],
+            log_path=logs / f"{n}.log",
+            max_model_len=kw.get("max_model_len", 8192),
+            extra_args=kw.get("extra_args", ()),
+        )
+        for i, n in enumerate(names)
+    ]
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
+    """Three real engines: one first-turn, two warm (priority scheduling on)."""
+    specs = engine_specs(
+        tiny_llama, ["first0", "warm0", "warm1"], workdir, extra_args=("--scheduling-policy", "priority")
+    )
+    engines = start_engines(specs, timeout_s=300)
+    try:
+        yield {e.spec.name: e for e in engines}
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def cluster_config(cluster: dict[str, LocalEngine], tiny_llama: Path, **overrides: Any) -> dict[str, Any]:
+    def eng(name: str) -> dict[str, Any]:
+        s = cluster[name].spec
+        return {"name": name, "url": s.url, "model": MODEL, "kv_events": s.kv_events_endpoint}
+
+    data: dict[str, Any] = {
+        "pools": [
+            {"name": "first_turn", "role": "first_turn", "engines": [eng("first0")]},
+            {"name": "warm", "role": "warm", "engines": [eng("warm0"), eng("warm1")]},
+        ],
+        "models": [{"name": MODEL, "tokenizer": str(tiny_llama), "block_size": 128, "hash_seed": HASH_SEED}],
+        "routing": {"first_turn_threshold_tokens": 512, "forward_priority": True},
+        "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
+    }
+    data.update(overrides)
+    return data
+
+
+class ServedGateway:
+    """A gateway app served by uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        port = free_ports(1)[0]
+        self.config = load_config(None, listen={"host": "127.0.0.1", "port": port}, **config)
+        self.app = create_app(self.config)
+        self.url = f"http://127.0.0.1:{port}"
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def service(self) -> Any:
+        return self.app.state.service
+
+    def __enter__(self) -> ServedGateway:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("gateway did not start")
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def gateway(cluster: dict[str, LocalEngine], tiny_llama: Path) -> Iterator[ServedGateway]:
+    with ServedGateway(cluster_config(cluster, tiny_llama)) as gw:
+        wait_ready(gw.url)
+        yield gw
+
+
+def wait_ready(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready")
+
+
+def engine_metric(engine_url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of a Prometheus metric's samples on an engine (optionally filtered by labels)."""
+    text = httpx.get(engine_url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric = head.split("{", 1)[0]
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
+            continue
+        total += float(value)
+    return total
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (the README's test command installs it)")
+    port = free_ports(1)[0]
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,0 +1,95 @@
+"""Health ejection, retry on another engine, 502 and 503: with engines that really die."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.local.engines import LocalEngine, free_ports, start_engines
+from tests.conftest import MODEL, ServedGateway, engine_specs, wait_ready
+
+pytestmark = pytest.mark.engine
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_ports(1)[0]}"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path, workdir: Path) -> Iterator[list[LocalEngine]]:
+    engines = start_engines(engine_specs(tiny_llama, ["fa", "fb"], workdir), timeout_s=300)
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def one_pool(engines: list[tuple[str, str]], **kw: object) -> dict:
+    return {
+        "pools": [
+            {
+                "name": "p",
+                "role": "any",
+                "engines": [{"name": n, "url": u, "model": MODEL} for n, u in engines],
+            }
+        ],
+        "timeouts": {"health_interval_s": 0.3, "metrics_interval_s": 0.5, "health_timeout_s": 0.5},
+        **kw,
+    }
+
+
+def test_connection_failure_retries_on_another_engine(pair: list[LocalEngine]) -> None:
+    cfg = one_pool([("dead", dead_url()), ("live", pair[0].url)], routing={"profile": "round_robin"})
+    cfg["timeouts"]["health_interval_s"] = 60  # the dead engine stays admitted: the proxy must cope
+    with ServedGateway(cfg) as gw:
+        reasons = set()
+        for _ in range(2):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            assert r.status_code == 200
+            assert r.headers["x-agentgw-engine"] == "live"
+            reasons.add(r.headers["x-agentgw-reason"])
+        assert "retry" in reasons
+        assert (
+            'agentgw_upstream_errors_total{engine="dead",kind="connect"}'
+            in httpx.get(gw.url + "/metrics").text
+        )
+
+
+def test_all_engines_unreachable_is_502_then_503(pair: list[LocalEngine]) -> None:
+    cfg = one_pool([("d1", dead_url()), ("d2", dead_url())])
+    cfg["timeouts"]["health_interval_s"] = 60
+    with ServedGateway(cfg) as gw:
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_connect_error"
+        r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "2"
+        assert httpx.get(gw.url + "/ready").status_code == 503
+
+
+def test_killed_engine_is_ejected_and_traffic_moves(pair: list[LocalEngine]) -> None:
+    a, b = pair
+    with ServedGateway(one_pool([("a", a.url), ("b", b.url)], routing={"profile": "round_robin"})) as gw:
+        wait_ready(gw.url)
+        seen = {
+            httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30).headers["x-agentgw-engine"]
+            for _ in range(4)
+        }
+        assert seen == {"a", "b"}
+        a.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and gw.service.cluster.engines["a"].healthy:
+            time.sleep(0.1)
+        assert not gw.service.cluster.engines["a"].healthy
+        for _ in range(4):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            assert r.status_code == 200 and r.headers["x-agentgw-engine"] == "b"
+        assert 'agentgw_engine_healthy{engine="a"} 0.0' in httpx.get(gw.url + "/metrics").text

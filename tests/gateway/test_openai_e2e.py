@@ -1,0 +1,198 @@
+"""The gateway in front of real vLLM engines, driven by the OpenAI SDK."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, ServedGateway, engine_metric
+
+pytestmark = pytest.mark.engine
+
+
+def client(gw: ServedGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_non_streamed(gateway: ServedGateway) -> None:
+    r = client(gateway).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=8, temperature=0
+    )
+    out = r.parse()
+    assert out.choices[0].message.content is not None
+    assert out.usage is not None and out.usage.completion_tokens > 0
+    assert r.headers["x-agentgw-pool"] in ("first_turn", "warm")
+    assert r.headers["x-agentgw-engine"] in ("first0", "warm0", "warm1")
+
+
+def test_chat_streamed_with_usage(gateway: ServedGateway) -> None:
+    stream = client(gateway).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to ten."}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+
+
+def test_completions_streamed_and_not(gateway: ServedGateway) -> None:
+    c = client(gateway)
+    out = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
+    assert out.choices[0].text is not None and out.usage.completion_tokens > 0
+    parts = list(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, stream=True))
+    assert len(parts) >= 2
+
+
+def test_stream_is_relayed_chunk_by_chunk(gateway: ServedGateway) -> None:
+    """The first SSE event reaches the client long before the last one is generated."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    first = None
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    assert first is not None and first < total / 2
+
+
+def test_models_lists_the_served_model(gateway: ServedGateway) -> None:
+    ids = [m.id for m in client(gateway).models.list()]
+    assert ids == [MODEL]
+
+
+def test_health_ready_metrics(gateway: ServedGateway) -> None:
+    assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(gateway.url + "/ready").json()
+    assert ready == {"ready": True, "pools": {"first_turn": True, "warm": True}}
+    text = httpx.get(gateway.url + "/metrics").text
+    for name in (
+        "agentgw_requests_total",
+        "agentgw_ttft_seconds_bucket",
+        "agentgw_e2e_seconds_bucket",
+        "agentgw_inflight_requests",
+        "agentgw_route_decisions_total",
+    ):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
+        (
+            "/v1/chat/completions",
+            b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "model",
+        ),
+        ("/v1/chat/completions", b'{"model": "tiny-llama"}', 400, "messages"),
+        ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": []}', 400, "messages"),
+        (
+            "/v1/chat/completions",
+            b'{"model": "tiny-llama", "messages": [{"content": "x"}]}',
+            400,
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model",
+        ),
+        ("/v1/completions", b'{"model": "tiny-llama"}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": {"a": 1}}', 400, "prompt"),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "x", "stream": "yes"}', 400, "stream"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    gateway: ServedGateway, path: str, body: bytes, status: int, param: str | None
+) -> None:
+    r = httpx.post(gateway.url + path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    if param:
+        assert param.split("[")[0] in err["message"]
+
+
+def test_upstream_4xx_passes_through_unchanged(gateway: ServedGateway, cluster: dict) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}
+    direct = httpx.post(cluster["warm0"].url + "/v1/chat/completions", json=body)
+    via = httpx.post(gateway.url + "/v1/chat/completions", json=body)
+    assert via.status_code == direct.status_code == 400
+    assert via.json()["error"]["message"] == direct.json()["error"]["message"]
+
+
+def test_wrong_method_is_405(gateway: ServedGateway) -> None:
+    r = httpx.get(gateway.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.json()["error"]["message"]
+
+
+def test_client_disconnect_aborts_upstream(gateway: ServedGateway, cluster: dict) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long story please"}],
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        engine = r.headers["x-agentgw-engine"]
+        running = 0.0
+        for i, _line in enumerate(r.iter_lines()):
+            if i % 20 == 0:
+                running = engine_metric(cluster[engine].url, "vllm:num_requests_running")
+                if running >= 1:
+                    break
+        assert running >= 1
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if engine_metric(cluster[engine].url, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert engine_metric(cluster[engine].url, "vllm:num_requests_running") == 0
+    text = httpx.get(gateway.url + "/metrics").text
+    assert f'agentgw_client_disconnects_total{{engine="{engine}"}}' in text
+
+
+def test_multi_turn_conversation_hits_vllm_prefix_cache(gateway: ServedGateway, cluster: dict) -> None:
+    c = client(gateway)
+    messages = [{"role": "system", "content": "You are a careful coding agent. " * 60}]
+    engines = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Step {turn}: read file_{turn}.py and report."})
+        r = c.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"agent_hints": {"session_id": "mt-1"}},
+        )
+        engines.append(r.headers["x-agentgw-engine"])
+        messages.append({"role": "assistant", "content": r.parse().choices[0].message.content or ""})
+    home = engines[-1]
+    hits_before = engine_metric(cluster[home].url, "vllm:prefix_cache_hits_total")
+    messages.append({"role": "user", "content": "one more"})
+    r = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4, extra_body={"agent_hints": {"session_id": "mt-1"}}
+    )
+    assert r.headers["x-agentgw-engine"] == home
+    assert engine_metric(cluster[home].url, "vllm:prefix_cache_hits_total") - hits_before >= 128
