@@ -1,0 +1,251 @@
+"""Compare routing policies on one trace and one engine model, in one run.
+
+    python -m benchmarks.compare                       # the ANCHORS configurations, Weka dev traces
+    python -m benchmarks.compare --configs 8x64x10 --policies agentic+hints,precise_prefix
+    python -m benchmarks.compare --engine h200-qwen3-32b-fp8 --no-sweep
+
+Every policy runs through the real ``gateway.core.router.Router`` in the discrete-event simulator
+(:mod:`benchmarks.sim`), against the same modeled engines (default: Dynamo 1.6.1's mocker model).
+Prints one table per configuration (workers x lanes x arrival speed-up) next to the ANCHORS
+figures for Dynamo, and writes ``ttft_cdf.png``, ``tpgs_vs_concurrency.png`` and
+``results.json`` to ``--out`` (default ``benchmarks/out``).
+
+Policies: ``round_robin``, ``least_loaded``, ``session_hash``, ``cache_aware`` (SGLang router
+style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d style, index fed
+by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for
+subagents, expected tool latency from the trace's recorded gap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.sim.calibration import ENGINES
+from benchmarks.sim.cluster import SimConfig, simulate
+from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request, summarize
+from benchmarks.sim.traces import Play, load_mooncake, load_weka, synth_agentx
+
+POLICIES = (
+    "round_robin",
+    "least_loaded",
+    "session_hash",
+    "cache_aware",
+    "precise_prefix",
+    "agentic",
+    "agentic+hints",
+)
+ANCHOR_CONFIGS = ("4x16x1", "8x16x1", "8x64x10")
+
+#: Dynamo 1.6.1's replay on the same traces and engine model (shared/ANCHORS.md):
+#: config -> policy -> (prefix reuse, TTFT p50 ms or None, TTFT p90 ms).
+DYNAMO: dict[str, dict[str, tuple[float, float | None, float]]] = {
+    "4x16x1": {
+        "round-robin": (0.752, 94, 2164),
+        "Dynamo KV router": (0.924, 34, 341),
+        "load-only": (0.761, 87, 2047),
+    },
+    "8x16x1": {"round-robin": (0.655, 231, 2424), "Dynamo KV router": (0.945, 31, 196)},
+    "8x64x10": {
+        "round-robin": (0.493, None, 8686),
+        "Dynamo KV router": (0.879, None, 1402),
+        "load-only": (0.564, None, 2968),
+    },
+}
+
+
+def parse_config(text: str) -> tuple[int, int, float]:
+    w, lanes, sp = text.split("x")
+    return int(w), int(lanes), float(sp)
+
+
+def run_one(
+    plays: Sequence[Play],
+    ideal: dict[tuple[str, int], int],
+    policy: str,
+    workers: int,
+    lanes: int | None,
+    speedup: float,
+    engine: str,
+) -> tuple[RunMetrics, list[float]]:
+    profile, _, hints = policy.partition("+")
+    cfg = SimConfig(
+        workers=workers,
+        engine=ENGINES[engine](),
+        profile=profile,
+        hints=hints == "hints",
+        lanes=lanes,
+        speedup=speedup,
+        label=policy,
+    )
+    t0 = time.perf_counter()
+    sim = simulate(plays, cfg)
+    m = summarize(sim, plays, ideal, label=policy)
+    m.wall_s = time.perf_counter() - t0
+    ttft = sorted((r.t_first - r.t_arrive) * 1000.0 for r in sim.records)
+    return m, ttft
+
+
+def format_table(rows: Sequence[RunMetrics], config: str) -> str:
+    head = (
+        f"{'policy':<16} {'reuse':>7} {'ideal':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+        f"{'recompute Mtok':>14} {'P90 tok/s':>9} {'TPGS':>7} {'TPGS@SLO':>8} {'preempt':>7} {'wall s':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for m in rows:
+        lines.append(
+            f"{m.label:<16} {m.hit_rate:>7.1%} {m.ideal_hit_rate:>7.1%} {m.ttft_p50_ms:>9.0f} "
+            f"{m.ttft_p90_ms:>8.0f} {m.ttft_p99_ms:>8.0f} {m.recomputed_tokens / 1e6:>14.1f} "
+            f"{m.interactivity_p90:>9.1f} {m.tpgs:>7.0f} {m.tpgs_at_slo:>8.0f} {m.preemptions:>7d} "
+            f"{m.wall_s:>6.1f}"
+        )
+    for name, (reuse, p50, p90) in DYNAMO.get(config, {}).items():
+        p50s = f"{p50:>9.0f}" if p50 is not None else f"{'-':>9}"
+        lines.append(f"{'Dynamo ' + name:<16.16} {reuse:>7.1%} {'':>7} {p50s} {p90:>8.0f}   (ANCHORS)")
+    return "\n".join(lines)
+
+
+def plot(
+    out: Path,
+    cdfs: dict[str, dict[str, list[float]]],
+    sweep: dict[str, list[tuple[int, float, float]]],
+    sweep_title: str,
+) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    if cdfs:
+        fig, axes = plt.subplots(1, len(cdfs), figsize=(6 * len(cdfs), 4.5), squeeze=False)
+        for ax, (config, per_policy) in zip(axes[0], cdfs.items(), strict=True):
+            for policy, xs in per_policy.items():
+                n = len(xs)
+                ax.plot([max(x, 1.0) for x in xs], [(i + 1) / n for i in range(n)], label=policy)
+            ax.set_xscale("log")
+            ax.set_xlabel("TTFT (ms)")
+            ax.set_ylabel("fraction of requests")
+            w, lanes, sp = parse_config(config)
+            ax.set_title(f"{w} workers, {lanes} lanes, speed-up {sp:g}")
+            ax.grid(True, alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "ttft_cdf.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in sweep.items():
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            for lanes, tpgs, inter in pts:
+                if inter < 50:
+                    ax.plot([lanes], [tpgs], marker="x", color="red", markersize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (agentic lanes)")
+        ax.set_ylabel("total tokens per GPU-second")
+        ax.set_title(sweep_title + " (red x: P90 interactivity < 50 tok/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "tpgs_vs_concurrency.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def shared_path(rel: str) -> Path:
+    """``shared/<rel>`` in the checkout, else beside it (the workspace layout)."""
+    repo = Path(__file__).resolve().parents[1]
+    for base in (repo / "shared", repo.parent / "shared"):
+        if (base / rel).exists():
+            return base / rel
+    return repo / "shared" / rel
+
+
+def load_trace(kind: str, path: str | None, n: int) -> list[Play]:
+    if kind == "weka":
+        return load_weka(path or shared_path("traces/weka"))
+    if kind == "mooncake":
+        return load_mooncake(path or shared_path("traces/mooncake/conversation_trace.jsonl"), limit=n or None)
+    return synth_agentx(n or 48, seed=0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", choices=("weka", "mooncake", "synth"), default="weka")
+    ap.add_argument("--trace-path", default=None, help="default: shared/traces/<kind>")
+    ap.add_argument("--n", type=int, default=0, help="synth: plays; mooncake: first N requests")
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="dynamo-mocker")
+    ap.add_argument("--configs", default=",".join(ANCHOR_CONFIGS), help="WORKERSxLANESxSPEEDUP,...")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--sweep-lanes", default="8,16,32,64", help="TPGS vs concurrency lanes ('' = off)")
+    ap.add_argument("--sweep-config", default="8x0x10", help="workers and speed-up of the sweep")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    plays = load_trace(args.trace, args.trace_path, args.n)
+    ideal = ideal_hits_by_request(plays)
+    print(
+        f"trace {args.trace}: {len(plays)} plays, {sum(len(p.requests) for p in plays)} requests; "
+        f"engine {args.engine}; loaded in {time.perf_counter() - t_start:.1f}s",
+        flush=True,
+    )
+    policies = [p for p in args.policies.split(",") if p]
+    configs = [c for c in args.configs.split(",") if c]
+    lanes_open = args.trace == "mooncake"
+    results: dict[str, dict[str, dict[str, object]]] = {}
+    cdfs: dict[str, dict[str, list[float]]] = {}
+    done: dict[tuple[str, int, int, float], RunMetrics] = {}
+    for config in configs:
+        w, lanes, sp = parse_config(config)
+        rows = []
+        cdfs[config] = {}
+        for policy in policies:
+            m, ttft = run_one(plays, ideal, policy, w, None if lanes_open else lanes, sp, args.engine)
+            done[(policy, w, lanes, sp)] = m
+            rows.append(m)
+            cdfs[config][policy] = ttft
+        print(f"\n== {config}: {w} workers, {lanes} lanes, arrival speed-up {sp:g} ==")
+        print(format_table(rows, config), flush=True)
+        results[config] = {m.label: m.as_dict() for m in rows}
+
+    sweep: dict[str, list[tuple[int, float, float]]] = {}
+    sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
+    sw, _, ssp = parse_config(args.sweep_config)
+    if sweep_lanes and not lanes_open:
+        for policy in policies:
+            for lanes in sweep_lanes:
+                m = done.get((policy, sw, lanes, ssp))
+                if m is None:
+                    m, _ = run_one(plays, ideal, policy, sw, lanes, ssp, args.engine)
+                sweep.setdefault(policy, []).append((lanes, m.tpgs, m.interactivity_p90))
+        print(f"\n== TPGS vs concurrency: {sw} workers, speed-up {ssp:g} ==")
+        print(f"{'policy':<16} " + " ".join(f"{'L=' + str(x):>14}" for x in sweep_lanes))
+        for policy, pts in sweep.items():
+            cells = " ".join(f"{t:>8.0f} ({i:>3.0f})" for _, t, i in sorted(pts))
+            print(f"{policy:<16} {cells}")
+        print("cells: TPGS (P90 interactivity tok/s)")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"engine": args.engine, "trace": args.trace, "runs": results, "sweep": sweep}, indent=1)
+    )
+    written = plot(out, cdfs, sweep, f"{sw} workers, speed-up {ssp:g}")
+    print(f"\nwrote {', '.join(str(p) for p in [out / 'results.json', *written])}")
+    print(f"total wall time {time.perf_counter() - t_start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""The discrete-event cluster simulator: plays -> gateway (the real router) -> modeled engines.
+
+Virtual time, one heap of events: a request *arrives* when its dependencies are met (see
+:mod:`benchmarks.sim.traces`), the gateway model routes it with the real
+:class:`gateway.core.router.Router` on a :class:`~gateway.core.types.Snapshot` built the way the
+server builds it (``gateway/service/gateway.py``): engine views with the gateway's in-flight
+counts, prefix matches from the core :class:`~gateway.core.prefix_index.PrefixIndex` fed by the
+engines' KV events (``precise``), or by the routing decisions themselves (``approx``, the SGLang
+router's view), and, with hints, the session table's home and the parent's matches.
+
+Replay modes: ``lanes=L`` (Dynamo's ``agentic_lanes``: L plays at a time, each lane starts its
+next play when the previous one has completed) or ``lanes=None`` (open loop: each play starts at
+its recorded ``start_s``, e.g. Mooncake). ``speedup`` divides every recorded gap and start time.
+
+Planner hook: ``planner.after_turn(sim, record)`` is called after each completion (a later
+``gateway.core.planner`` plugs in here); its moves are counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
+from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
+from gateway.core.prefix_index import PrefixIndex
+from gateway.core.router import Router, RoutingParams
+from gateway.core.sessions import SessionRecord, SessionTable
+from gateway.core.types import EngineView, PoolRole, RouteRequest, SessionView, Snapshot
+
+__all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
+
+MODEL = "agent-model"
+_NEEDS_PRECISE = {"agentic", "precise_prefix"}
+_NEEDS_APPROX = {"cache_aware"}
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    workers: int = 4
+    engine: EngineConfig = DYNAMO_MOCKER
+    profile: str = "round_robin"
+    hints: bool = False
+    """Send the agent hints (session id, parent id, expected tool latency) to the gateway."""
+    lanes: int | None = 16
+    speedup: float = 1.0
+    routing: RoutingParams | None = None
+    index_capacity_blocks: int = 1 << 20
+    label: str = ""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    play: str
+    stream: str
+    idx: int
+    engine: str
+    t_arrive: float
+    t_first: float
+    t_last: float
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    reason: str
+
+
+class Planner(Protocol):
+    def after_turn(self, sim: Simulator, record: RequestRecord) -> None: ...
+
+
+@dataclass(slots=True)
+class _PlayState:
+    play: Play
+    start: float
+    lane: int | None
+    waiting_deps: list[int]
+    ready_at: list[float]
+    dependents: list[list[tuple[int, str, float]]]
+    done: int = 0
+
+
+@dataclass(slots=True)
+class _Inflight:
+    state: _PlayState
+    req: TraceRequest
+    engine: int
+    session_id: str | None
+    parent_id: str | None
+    reason: str
+
+
+_ARRIVE, _PASS, _PLAY = 0, 1, 2
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig, planner: Planner | None = None) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        params = cfg.routing or RoutingParams(profile=cfg.profile)
+        if params.profile != cfg.profile:
+            params = RoutingParams(**{**_params_dict(params), "profile": cfg.profile})
+        self.router = Router(params)
+        self.index = PrefixIndex(cfg.index_capacity_blocks)
+        self.approx = PrefixIndex(cfg.engine.num_blocks)
+        self.sessions = SessionTable(capacity=100_000, ttl_s=24 * 3600.0)
+        on_kv = self._on_kv if cfg.profile in _NEEDS_PRECISE else None
+        self.engines = [Engine(f"w{i}", cfg.engine, on_kv) for i in range(cfg.workers)]
+        self._by_name = {e.name: i for i, e in enumerate(self.engines)}
+        self._inflight_n = [0] * cfg.workers
+        self._pass_version = [0] * cfg.workers
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._tick = 0
+        self._seq = 0
+        self._siblings: dict[str, Counter[str]] = {}
+        self._live: dict[int, _Inflight] = {}
+        self._rid = 0
+        self.records: list[RequestRecord] = []
+        self.migrations = 0
+        self.kv_bytes_moved = 0
+        self.now = 0.0
+        self._models = frozenset({MODEL})
+
+    # -- events -----------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._tick += 1
+        heapq.heappush(self._heap, (t, self._tick, kind, payload))
+
+    def _on_kv(self, engine: str, stored: list[int], removed: list[int]) -> None:
+        if removed:
+            self.index.apply_removed(engine, removed)
+        if stored:
+            self.index.apply_stored(engine, stored)
+
+    # -- plays ------------------------------------------------------------------------------
+    def _start_play(self, play: Play, t: float, lane: int | None) -> None:
+        n = len(play.requests)
+        dependents: list[list[tuple[int, str, float]]] = [[] for _ in range(n)]
+        waiting = [0] * n
+        for r in play.requests:
+            waiting[r.idx] = len(r.deps)
+            for d in r.deps:
+                dependents[d.on].append((r.idx, d.trigger, d.delay_s))
+        st = _PlayState(play, t, lane, waiting, [t] * n, dependents)
+        sp = self.cfg.speedup
+        for r in play.requests:
+            if not r.deps:
+                first = min(q.t for q in play.requests)
+                self._push(t + (r.t - first) / sp, _ARRIVE, (st, r.idx))
+
+    def _trigger(self, st: _PlayState, idx: int, trigger: str, t: float) -> None:
+        sp = self.cfg.speedup
+        for j, trig, delay in st.dependents[idx]:
+            if trig != trigger:
+                continue
+            st.ready_at[j] = max(st.ready_at[j], t + delay / sp)
+            st.waiting_deps[j] -= 1
+            if st.waiting_deps[j] == 0:
+                self._push(st.ready_at[j], _ARRIVE, (st, j))
+
+    # -- routing ----------------------------------------------------------------------------
+    def _views(self) -> tuple[EngineView, ...]:
+        return tuple(
+            EngineView(
+                name=e.name,
+                pool="default",
+                role=PoolRole.ANY,
+                models=self._models,
+                running=len(e.running),
+                waiting=len(e.waiting),
+                kv_usage=e.kv_usage,
+                inflight=self._inflight_n[i],
+                capacity_blocks=e.cfg.num_blocks,
+            )
+            for i, e in enumerate(self.engines)
+        )
+
+    def _arrive(self, st: _PlayState, idx: int, now: float) -> None:
+        play, r = st.play, st.play.requests[idx]
+        cfg = self.cfg
+        profile = cfg.profile
+        use_ids = cfg.hints or profile == "session_hash"
+        sid = play.session_id(r.stream) if use_ids else None
+        parent_id = play.play_id if (use_ids and cfg.hints and r.stream != "root") else None
+        if profile in _NEEDS_PRECISE:
+            index: PrefixIndex | None = self.index
+        elif profile in _NEEDS_APPROX:
+            index = self.approx
+        else:
+            index = None
+        matches = index.match(r.hashes) if index is not None else {}
+        session_view = None
+        rec = None
+        parent_matches = {}
+        if cfg.hints and sid is not None:
+            rec = self.sessions.get(sid, now)
+            parent_home = None
+            if parent_id is not None:
+                prec = self.sessions.get(parent_id, now)
+                if prec is not None:
+                    parent_home = prec.home
+                    if index is not None:
+                        parent_matches = index.match(prec.prefix_hashes)
+            session_view = SessionView(
+                session_id=sid,
+                home=rec.home if rec else None,
+                pool=rec.pool if rec else None,
+                turns=rec.turns if rec else 0,
+                context_tokens=rec.context_tokens if rec else 0,
+                parent_home=parent_home,
+            )
+        self._seq += 1
+        req = RouteRequest(
+            model=MODEL,
+            prompt_tokens=r.input_tokens,
+            block_size=play.block_size,
+            session_id=sid,
+            parent_session_id=parent_id,
+            is_subagent=parent_id is not None,
+            fan_out=play.subagents.get(r.stream, 0) if cfg.hints else 0,
+            seq=self._seq,
+        )
+        siblings = dict(self._siblings.get(parent_id, {})) if parent_id else {}
+        snap = Snapshot(
+            engines=self._views(),
+            matches=matches,
+            session=session_view,
+            parent_matches=parent_matches,
+            siblings=siblings,
+        )
+        d = self.router.route(req, snap)
+        ei = self._by_name[d.engine]
+        if profile in _NEEDS_APPROX:
+            self.approx.apply_stored(d.engine, r.hashes)
+        if cfg.hints and sid is not None:
+            rec = rec or SessionRecord(sid, created=now, last_activity=now)
+            rec.home, rec.pool = d.engine, d.pool
+            rec.parent = parent_id or rec.parent
+            rec.inflight += 1
+            rec.expected_gap_s = r.gap_s / cfg.speedup
+            self.sessions.put(rec)
+            if parent_id is not None:
+                self._siblings.setdefault(parent_id, Counter())[d.engine] += 1
+        self._rid += 1
+        rid = self._rid
+        self._live[rid] = _Inflight(st, r, ei, sid if cfg.hints else None, parent_id, d.reason)
+        self._inflight_n[ei] += 1
+        eng = self.engines[ei]
+        eng.add(Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now))
+        self._trigger(st, idx, DISPATCH, now)
+        if not eng.busy:
+            self._kick(ei, now)
+        else:
+            end = eng.interrupt(now)
+            if end is not None:
+                self._pass_version[ei] += 1
+                self._push(end, _PASS, (ei, self._pass_version[ei]))
+
+    def _kick(self, ei: int, now: float) -> None:
+        end = self.engines[ei].start_pass(now)
+        if end is not None:
+            self._pass_version[ei] += 1
+            self._push(end, _PASS, (ei, self._pass_version[ei]))
+
+    def _pass_end(self, ei: int, now: float) -> None:
+        eng = self.engines[ei]
+        for s in eng.finish_pass(now):
+            self._complete(s, ei, now)
+        self._kick(ei, now)
+
+    def _complete(self, s: Seq, ei: int, now: float) -> None:
+        live = self._live.pop(s.rid)
+        self._inflight_n[ei] -= 1
+        r, st = live.req, live.state
+        rec = RequestRecord(
+            play=st.play.play_id,
+            stream=r.stream,
+            idx=r.idx,
+            engine=self.engines[ei].name,
+            t_arrive=s.t_arrive,
+            t_first=s.t_first,
+            t_last=s.t_last,
+            input_tokens=s.prompt,
+            output_tokens=s.max_out,
+            cached_tokens=max(0, s.cached_tokens),
+            recomputed_tokens=s.recomputed,
+            reason=live.reason,
+        )
+        self.records.append(rec)
+        if live.parent_id is not None:
+            sib = self._siblings.get(live.parent_id)
+            if sib is not None:
+                name = self.engines[ei].name
+                sib[name] -= 1
+                if sib[name] <= 0:
+                    del sib[name]
+                if not sib:
+                    del self._siblings[live.parent_id]
+        if live.session_id is not None:
+            srec = self.sessions.get(live.session_id, now)
+            if srec is not None:
+                srec.inflight = max(0, srec.inflight - 1)
+                srec.record_turn(now, r.input_tokens, r.hashes)
+                self.sessions.put(srec)
+        if self.planner is not None:
+            self.planner.after_turn(self, rec)
+        self._trigger(st, r.idx, "completion", now)
+        st.done += 1
+        if st.done == len(st.play.requests) and st.lane is not None:
+            self._push(now, _PLAY, st.lane)
+
+    # -- run --------------------------------------------------------------------------------
+    def run(self, plays: Sequence[Play]) -> list[RequestRecord]:
+        queue = deque(plays)
+        if self.cfg.lanes is None:
+            for p in queue:
+                self._start_play(p, p.start_s / self.cfg.speedup, None)
+            queue.clear()
+        else:
+            for lane in range(min(self.cfg.lanes, len(queue))):
+                self._start_play(queue.popleft(), 0.0, lane)
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            if kind == _ARRIVE:
+                st, idx = payload  # type: ignore[misc]
+                self._arrive(st, idx, t)
+            elif kind == _PASS:
+                ei, version = payload  # type: ignore[misc]
+                if version == self._pass_version[ei]:
+                    self._pass_end(ei, t)
+            elif queue:
+                self._start_play(queue.popleft(), t, payload)  # type: ignore[arg-type]
+        return self.records
+
+
+def _params_dict(p: RoutingParams) -> dict[str, object]:
+    return {k: getattr(p, k) for k in RoutingParams.__slots__}
+
+
+def simulate(plays: Sequence[Play], cfg: SimConfig, planner: Planner | None = None) -> Simulator:
+    sim = Simulator(cfg, planner)
+    sim.run(plays)
+    return sim

@@ -1,0 +1,125 @@
+"""The simulator's trace loaders, ideal reuse, determinism and a policy sanity check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sim.cluster import SimConfig, simulate
+from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, Seq
+from benchmarks.sim.metrics import summarize
+from benchmarks.sim.scale import scale_plays
+from benchmarks.sim.traces import ideal_hit_rate, load_weka, synth_agentx, trace_stats
+
+REPO = Path(__file__).resolve().parents[2]
+WEKA = next(
+    (p for p in (REPO / "shared/traces/weka", REPO.parent / "shared/traces/weka") if p.exists()), None
+)
+
+
+@pytest.fixture(scope="module")
+def weka():
+    if WEKA is None:
+        pytest.skip("shared/traces/weka not present")
+    return load_weka(WEKA)
+
+
+def test_weka_loader_counts_every_request_and_subagent(weka):
+    stats = trace_stats(weka)
+    assert stats["plays"] == 48
+    assert stats["requests"] == 4171
+    assert stats["subagent_requests"] == 403
+    assert stats["plays_with_subagents"] == 9
+
+
+def test_weka_ideal_prefix_reuse_is_the_anchor_figure(weka):
+    hit, total = ideal_hit_rate(weka)
+    assert round(100 * hit / total, 2) == 95.60
+
+
+def test_subagents_depend_on_their_parent_and_turns_on_the_previous_turn(weka):
+    play = next(p for p in weka if p.subagents)
+    for r in play.requests:
+        for d in r.deps:
+            assert d.on < r.idx and d.delay_s >= 0
+    firsts = {}
+    for r in play.requests:
+        firsts.setdefault(r.stream, r)
+    sub_first = next(r for s, r in firsts.items() if s != "root")
+    assert any(play.requests[d.on].stream == "root" for d in sub_first.deps)
+
+
+def _small(n=6, seed=3):
+    return synth_agentx(n, seed=seed)
+
+
+def test_simulation_is_deterministic():
+    plays = _small()
+    cfg = SimConfig(workers=2, lanes=3, speedup=5.0, profile="agentic", hints=True)
+    a = summarize(simulate(plays, cfg), plays)
+    b = summarize(simulate(plays, cfg), plays)
+    assert a.as_dict() == b.as_dict()
+
+
+@pytest.mark.parametrize(
+    ("worse", "better"),
+    [
+        ("round_robin", "session_hash"),
+        ("round_robin", "precise_prefix"),
+        ("least_loaded", "agentic+hints"),
+    ],
+)
+def test_cache_affine_policies_reuse_more_prefix_than_oblivious_ones(worse, better):
+    plays = _small(8, seed=1)
+
+    def hit(policy):
+        profile, _, hints = policy.partition("+")
+        cfg = SimConfig(workers=4, lanes=8, speedup=5.0, profile=profile, hints=bool(hints))
+        return summarize(simulate(plays, cfg), plays).hit_rate
+
+    assert hit(worse) < hit(better)
+
+
+def test_engine_reuses_a_resident_prefix_and_never_the_partial_last_block():
+    eng = Engine("e", DYNAMO_MOCKER.with_(num_blocks=64))
+    first = Seq(1, 64 * 10 + 5, 2, list(range(100, 110)), 0.0)
+    eng.add(first)
+    t = 0.0
+    while eng.has_work():
+        t = eng.start_pass(t) or t
+        eng.finish_pass(t)
+    assert first.cached_tokens == 0
+    again = Seq(2, 64 * 10, 2, list(range(100, 110)), t)
+    eng.add(again)
+    while eng.has_work():
+        t = eng.start_pass(t) or t
+        eng.finish_pass(t)
+    assert again.cached_tokens == 64 * 9  # a fully cached prompt recomputes its last block
+
+
+def test_engine_evicts_least_recently_freed_blocks_first():
+    eng = Engine("e", DYNAMO_MOCKER.with_(num_blocks=24))
+    t = 0.0
+    for rid, base in enumerate((100, 200, 300)):
+        eng.add(Seq(rid, 64 * 8, 1, list(range(base, base + 8)), t))
+        while eng.has_work():
+            t = eng.start_pass(t) or t
+            eng.finish_pass(t)
+    eng.add(Seq(9, 64 * 8, 1, list(range(400, 408)), t))
+    while eng.has_work():
+        t = eng.start_pass(t) or t
+        eng.finish_pass(t)
+    assert not eng.resident(100) and not eng.resident(107)
+    assert eng.resident(200) and eng.resident(300)
+
+
+def test_scaled_trace_fits_the_small_context_and_keeps_gaps():
+    plays = _small(3)
+    small = scale_plays(plays, max_context=4096, block_size=128)
+    for p, q in zip(plays, small, strict=True):
+        assert len(p.requests) == len(q.requests)
+        for r, s in zip(p.requests, q.requests, strict=True):
+            assert s.input_tokens + s.output_tokens <= 4096
+            assert len(s.hashes) == s.input_tokens // 128
+            assert [d.delay_s for d in r.deps] == [d.delay_s for d in s.deps]
