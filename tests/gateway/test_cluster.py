@@ -1,0 +1,85 @@
+"""Active health: ejection after failed probes, re-admission on recovery; metrics scraping."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.config import load_config
+from gateway.service.cluster import Cluster, parse_vllm_gauges
+
+CFG = {
+    "pools": [
+        {
+            "name": "p",
+            "role": "warm",
+            "engines": [
+                {"name": "a", "url": "http://a:1", "model": "m"},
+                {"name": "b", "url": "http://b:1", "model": "m"},
+            ],
+        }
+    ],
+    "limits": {"eject_after_failures": 2, "readmit_after_successes": 2},
+}
+
+METRICS = b"""# HELP vllm:num_requests_running x
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_requests_running_other 9
+"""
+
+
+@pytest.fixture
+def state() -> dict[str, bool]:
+    return {"a": True, "b": True}
+
+
+@pytest.fixture
+def cluster(state: dict[str, bool]) -> Cluster:
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if not state[host]:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, content=METRICS)
+        return httpx.Response(200)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return Cluster(load_config(None, **CFG), client)
+
+
+async def test_eject_after_failures_and_readmit_after_successes(
+    cluster: Cluster, state: dict[str, bool]
+) -> None:
+    state["a"] = False
+    await cluster.probe_once()
+    assert cluster.engines["a"].healthy  # one failure is not enough
+    await cluster.probe_once()
+    assert not cluster.engines["a"].healthy
+    assert cluster.ready() == {"p": True}
+    assert [v.name for v in cluster.views() if v.healthy] == ["b"]
+    state["a"] = True
+    await cluster.probe_once()
+    assert not cluster.engines["a"].healthy
+    await cluster.probe_once()
+    assert cluster.engines["a"].healthy
+    assert all(v.healthy for v in cluster.views())
+
+
+async def test_connect_failure_ejects_at_once(cluster: Cluster) -> None:
+    cluster.record_connect_failure("b")
+    assert not cluster.engines["b"].healthy
+    assert cluster.models() == ["m"]
+
+
+async def test_scrape_reads_vllm_load(cluster: Cluster) -> None:
+    await cluster.scrape_once()
+    v = next(v for v in cluster.views() if v.name == "a")
+    assert (v.running, v.waiting, v.kv_usage, v.queue) == (3, 2, 0.25, 5)
+    cluster.begin("a")
+    assert next(v for v in cluster.views() if v.name == "a").inflight == 1
+
+
+def test_parse_gauges_ignores_other_metrics() -> None:
+    assert parse_vllm_gauges(METRICS) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25}

@@ -1,0 +1,72 @@
+"""Dependencies point api -> service -> core; the core imports no framework, clock or I/O."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "gateway"
+FORBIDDEN_IN_CORE = {
+    "asyncio",
+    "httpx",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "torch",
+    "vllm",
+    "zmq",
+    "redis",
+    "aiohttp",
+    "time",
+    "datetime",
+    "random",
+    "socket",
+    "subprocess",
+    "threading",
+    "os",
+    "gateway.service",
+    "gateway.api",
+    "gateway.config",
+    "pydantic",
+}
+
+
+def imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def violations(folder: str, banned: set[str]) -> list[str]:
+    bad = []
+    for f in (ROOT / folder).rglob("*.py"):
+        for mod in imports(f):
+            if any(mod == b or mod.startswith(b + ".") for b in banned):
+                bad.append(f"{f.relative_to(ROOT)} imports {mod}")
+    return bad
+
+
+def test_core_is_pure() -> None:
+    assert violations("core", FORBIDDEN_IN_CORE) == []
+
+
+def test_service_does_not_import_api() -> None:
+    assert violations("service", {"gateway.api", "fastapi", "starlette"}) == []
+
+
+def test_no_module_level_state_in_api_or_service() -> None:
+    """State hangs off the app's lifespan: no module-level instances of clients, stores, indexes."""
+    suspicious = ("AsyncClient(", "PrefixIndex(", "SessionTable(", "Cluster(", "GatewayMetrics(", "Context(")
+    bad = []
+    for folder in ("api", "service"):
+        for f in (ROOT / folder).rglob("*.py"):
+            for node in ast.parse(f.read_text()).body:
+                if isinstance(node, ast.Assign | ast.AnnAssign):
+                    src = ast.unparse(node)
+                    if any(s in src for s in suspicious):
+                        bad.append(f"{f.name}: {src}")
+    assert bad == []
