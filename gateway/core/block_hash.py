@@ -80,18 +80,26 @@ class HashChain:
         self.hashes: list[int] = []
 
     def update(self, tokens: Sequence[int]) -> int:
-        """Make the chain describe ``tokens``: keep the blocks inside the common prefix with the
-        previous tokens, hash the rest. Returns how many blocks were (re)hashed."""
-        keep = common_prefix_len(self.tokens, tokens) // self.block_size
+        """Make the chain describe ``tokens`` (compared with the current tokens from the start)."""
+        return self.replace_tail(0, list(tokens))
+
+    def replace_tail(self, start: int, tail: list[int]) -> int:
+        """Make the chain describe ``tokens[:start] + tail``, where the caller knows the first
+        ``start`` tokens are unchanged: only the old tail is compared with the new one, and only
+        blocks after their common prefix are hashed. O(len(tail)). Returns the blocks hashed."""
+        tokens = self.tokens
+        start = min(start, len(tokens))
+        keep = (start + common_prefix_len(tokens[start:], tail)) // self.block_size
+        del tokens[start:]
+        tokens.extend(tail)
         del self._raw[keep:]
         del self.hashes[keep:]
-        self.tokens = list(tokens)
         bs = self.block_size
         parent = self._raw[-1] if self._raw else None
         new = 0
-        for i in range(keep, len(self.tokens) // bs):
+        for i in range(keep, len(tokens) // bs):
             extra = (self.cache_salt,) if (i == 0 and self.cache_salt) else None
-            parent = hash_block(parent, self.tokens[i * bs : (i + 1) * bs], self._none, extra)
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
             self._raw.append(parent)
             self.hashes.append(external(parent))
             new += 1

@@ -27,6 +27,8 @@ class PrefixIndex:
         self._holders: dict[int, dict[str, int]] = {}
         """block hash -> engine -> bit mask of the media holding it (bit ``1 << medium``)."""
         self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._tiered: set[str] = set()
+        """Engines that ever announced a non-GPU copy (others need one binary search, not three)."""
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -37,6 +39,8 @@ class PrefixIndex:
     # -- updates -------------------------------------------------------------------------------
     def apply_stored(self, engine: str, hashes: Sequence[int], medium: Medium = Medium.GPU) -> None:
         lru = self._lru.setdefault(engine, OrderedDict())
+        if medium != Medium.GPU:
+            self._tiered.add(engine)
         for h in hashes:
             holders = self._holders.setdefault(h, {})
             holders[engine] = holders.get(engine, 0) | (1 << medium)
@@ -91,8 +95,11 @@ class PrefixIndex:
         out: dict[str, PrefixMatch] = {}
         for engine in first:
             n = self._longest(engine, hashes, Medium.STORAGE)
-            gpu = self._longest(engine, hashes, Medium.GPU)
-            cpu = self._longest(engine, hashes, Medium.CPU)
+            if engine in self._tiered:
+                gpu = self._longest(engine, hashes, Medium.GPU)
+                cpu = self._longest(engine, hashes, Medium.CPU)
+            else:
+                gpu = cpu = n
             weighted = (
                 gpu * Medium.GPU.weight + (cpu - gpu) * Medium.CPU.weight + (n - cpu) * Medium.STORAGE.weight
             )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import random
 import signal
 import socket
@@ -275,29 +276,36 @@ class LocalEngine:
 
 
 def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list[LocalEngine]:
-    """Start every engine, wait for all of them in parallel, and stop them all if one fails."""
+    """Start every engine and wait for all in parallel; on the first failure stop them all and raise it."""
     engines = [LocalEngine(spec) for spec in specs]
-    errors: list[BaseException] = []
+    outcomes: queue.Queue[BaseException | None] = queue.Queue()
+
+    def wait(engine: LocalEngine) -> None:
+        try:
+            engine.wait_ready(timeout_s)
+        except BaseException as exc:
+            outcomes.put(exc)
+        else:
+            outcomes.put(None)
+
+    threads = [
+        threading.Thread(target=wait, args=(e,), name=f"wait-{e.spec.name}", daemon=True) for e in engines
+    ]
     try:
         for engine in engines:
             engine.start()
-
-        def wait(engine: LocalEngine) -> None:
-            try:
-                engine.wait_ready(timeout_s)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=wait, args=(e,), name=f"wait-{e.spec.name}") for e in engines]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        for _ in engines:
+            error = outcomes.get()
+            if error is not None:
+                raise error
     except BaseException:
         for engine in engines:
-            engine.stop()
+            engine.stop()  # the other waiters see their process gone and return
+        for thread in threads:
+            if thread.is_alive():
+                thread.join()
         raise
     return engines
 

@@ -48,7 +48,6 @@ def _tojson(
 @dataclass(slots=True)
 class _Cached:
     text: str
-    tokens: list[int]
     bounds: list[tuple[int, int]]
     """(char offset, token offset) of each special-token start, ascending."""
     chain: HashChain
@@ -123,28 +122,31 @@ class ChatTokenizer:
                     prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else ""
                 )
             text = prompt
-        prev = self._cache.get(session_id) if session_id else None
+        prev = self._cache.pop(session_id, None) if session_id else None
+        base_char, base_tok = 0, 0
         if prev is not None:
             keep_chars = common_prefix_len(prev.text, text)
-            base_char, base_tok = 0, 0
+            nb = 0
             for b in prev.bounds:
                 if b[0] > keep_chars:
                     break
                 base_char, base_tok = b
-            bounds = [b for b in prev.bounds if b[0] < base_char]
+                nb += 1
+            bounds = prev.bounds
+            del bounds[max(0, nb - 1) :]  # the boundary we restart from is found again below
             chain = prev.chain
-            head = prev.tokens[:base_tok]
         else:
-            base_char, base_tok, bounds, head = 0, 0, [], []
+            bounds = []
             chain = HashChain(self.block_size, self.hash_seed, body.get("cache_salt"))
         enc = self.tokenizer.encode(text[base_char:], add_special_tokens=False)
         ids = enc.ids
         special = self._special_ids
-        bounds += [(base_char + enc.offsets[i][0], base_tok + i) for i, t in enumerate(ids) if t in special]
-        tokens = head + ids
-        chain.update(tokens)
+        offsets = enc.offsets
+        bounds += [(base_char + offsets[i][0], base_tok + i) for i, t in enumerate(ids) if t in special]
+        chain.replace_tail(base_tok, ids)
+        tokens = chain.tokens
         if session_id:
-            self._remember(session_id, _Cached(text, tokens, bounds, chain))
+            self._remember(session_id, _Cached(text, bounds, chain))
         return PromptInfo(len(tokens), list(chain.hashes), len(ids))
 
     def _from_tokens(self, tokens: list[int], session_id: str | None) -> PromptInfo:

@@ -11,8 +11,9 @@
   home is a candidate and its queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
   each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
   queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
-  candidate whose estimate is lower than home's (reason ``sticky_overflow``); without a home, the
-  best weighted total wins (``max_score``).
+  candidate whose estimate is lower than home's (reason ``sticky_overflow``). A home that the
+  filters removed (unhealthy, saturated, or of the other pool role) gives ``rehome``; without a
+  home the best weighted total wins (``subagent_parent`` or ``new_session``).
 - ``cache_aware(balance_abs, balance_rel, cache_threshold)``: SGLang router's policy. If the
   load is imbalanced (``q_max - q_min > balance_abs`` and ``q_max > balance_rel * q_min``) pick the
   shortest queue (``load``); else if the best prefix match covers more than ``cache_threshold`` of
@@ -98,6 +99,8 @@ class StickyBounded:
                 return Pick(best, "sticky_overflow")
             return Pick(by_name[home], "sticky")
         top = MaxScore().pick(req, snap, candidates)
+        if home is not None:
+            return Pick(top.candidate, "rehome")
         if req.is_subagent and top.candidate.scores.get("parent_prefix", 0.0) > 0:
             return Pick(top.candidate, "subagent_parent")
         if req.session_id is not None and top.reason in (SCORE_REASON, "only"):
