@@ -119,6 +119,24 @@ class HintsConfig(_Strict):
     """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
 
 
+class MigrationConfig(_Strict):
+    """Inter-turn KV placement through engine_ext's control API (engines with ``control_url``)."""
+
+    enabled: bool = True
+    control_token: str | None = None
+    max_per_engine: int = Field(2, ge=1)
+    """Concurrent prefetches per target engine, so migrations never starve live traffic."""
+    prefetch_timeout_s: float = Field(120.0, gt=0)
+    pin_margin_s: float = Field(5.0, ge=0)
+    max_pin_s: float = Field(600.0, gt=0)
+    demote_after_s: float = Field(120.0, gt=0)
+    default_gap_s: float = Field(10.0, ge=0)
+    rebalance_queue: int = Field(16, ge=1)
+    max_target_queue: int = Field(8, ge=0)
+    kv_bytes_per_token: int = Field(8192, gt=0)
+    move_bytes_per_s: float = Field(2e9, gt=0)
+
+
 class GatewayConfig(BaseSettings):
     """The whole configuration. See README.md for a reference of every key."""
 
@@ -134,6 +152,7 @@ class GatewayConfig(BaseSettings):
     routing: RoutingConfig = RoutingConfig()
     sessions: SessionsConfig = SessionsConfig()
     hints: HintsConfig = HintsConfig()
+    migration: MigrationConfig = MigrationConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

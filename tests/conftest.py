@@ -19,7 +19,7 @@ import uvicorn
 
 from gateway.api.app import create_app
 from gateway.config import load_config
-from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
 from gateway.local.tiny_model import build_tiny_model
 
 MODEL = "tiny-llama"
@@ -64,20 +64,6 @@ def engine_specs(
         )
         for i, n in enumerate(names)
     ]
-
-
-@pytest.fixture(scope="session")
-def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
-    """Three real engines: one first-turn, two warm (priority scheduling on)."""
-    specs = engine_specs(
-        tiny_llama, ["first0", "warm0", "warm1"], workdir, extra_args=("--scheduling-policy", "priority")
-    )
-    engines = start_engines(specs, timeout_s=300)
-    try:
-        yield {e.spec.name: e for e in engines}
-    finally:
-        for e in engines:
-            e.stop()
 
 
 def cluster_config(cluster: dict[str, LocalEngine], tiny_llama: Path, **overrides: Any) -> dict[str, Any]:
@@ -126,13 +112,6 @@ class ServedGateway:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
-
-
-@pytest.fixture(scope="session")
-def gateway(cluster: dict[str, LocalEngine], tiny_llama: Path) -> Iterator[ServedGateway]:
-    with ServedGateway(cluster_config(cluster, tiny_llama)) as gw:
-        wait_ready(gw.url)
-        yield gw
 
 
 def wait_ready(url: str, timeout: float = 30) -> None:

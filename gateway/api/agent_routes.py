@@ -57,6 +57,7 @@ def _session_json(svc: GatewayService, rec: Any) -> dict[str, Any]:
         "inflight": rec.inflight,
         "last_activity": rec.last_activity,
         "last_decision": rec.last_decision,
+        "migration": m.to_dict() if (m := svc.migrations.current.get(rec.session_id)) else None,
     }
 
 

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from gateway.config import GatewayConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints, HintError, parse_hints
+from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
 from gateway.core.sessions import SessionRecord
@@ -32,6 +33,7 @@ from gateway.protocol import ParsedRequest
 from gateway.service.cluster import Cluster
 from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
+from gateway.service.migrations import MigrationExecutor
 from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS
 from gateway.service.session_store import SessionStore
 from gateway.service.tokenize import ChatTokenizer
@@ -136,6 +138,7 @@ class GatewayService:
         self._siblings: dict[str, Counter[str]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
+        self.migrations = MigrationExecutor(config.migration, client, cluster, sessions, metrics, clock)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -147,6 +150,7 @@ class GatewayService:
                 self.subscribers.append(sub)
 
     async def stop(self) -> None:
+        await self.migrations.stop()
         for sub in self.subscribers:
             await sub.stop()
         if self._zmq is not None:
@@ -254,8 +258,12 @@ class GatewayService:
         self.metrics.decisions.labels(d.profile, d.pool, d.reason).inc()
         if not a.exact:
             self.approx.apply_stored(d.engine, a.hashes)
+        sid = a.hints.session_id
+        if sid is not None and sid in self.migrations.current:
+            frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
+            self.migrations.on_next_turn(sid, d.engine, frac)
         await self._place(a, d)
-        body = self._forward_body(parsed, raw, a.hints)
+        body = self._forward_body(parsed, raw, a.hints, d.engine, a.record)
         fwd = [(k, v) for k, v in headers if k not in _DROP_HEADERS]
         fwd.append((b"content-type", b"application/json"))
         extra = [(b"x-agentgw-warning", a.warning.encode("latin-1", "replace"))] if a.warning else []
@@ -285,9 +293,31 @@ class GatewayService:
             if len(self._siblings) > MAX_SIBLING_PARENTS:
                 self._siblings.pop(next(iter(self._siblings)))
 
-    def _forward_body(self, parsed: ParsedRequest, raw: bytes, hints: AgentHints) -> bytes:
+    def _forward_body(
+        self,
+        parsed: ParsedRequest,
+        raw: bytes,
+        hints: AgentHints,
+        engine: str,
+        rec: SessionRecord | None,
+    ) -> bytes:
         body = parsed.body
         changed = False
+        if (
+            hints.session_id is not None
+            and self.migrations.controllable(engine)
+            and "kv_transfer_params" not in body
+        ):
+            # engine_ext pins the session's KV at the end of this request for the expected gap
+            gap = self._expected_gap(hints, rec)
+            ttl = min(gap + self.config.migration.pin_margin_s, self.config.migration.max_pin_s)
+            if hints.kv_retention_ttl_s is not None:
+                ttl = hints.kv_retention_ttl_s
+            agentgw = {"session_id": hints.session_id, "pin_ttl_s": ttl}
+            if hints.session_end:
+                agentgw = {"session_id": hints.session_id, "release": True}
+            body = {**body, "kv_transfer_params": {"agentgw": agentgw}}
+            changed = True
         for key in GATEWAY_BODY_KEYS:
             if key in body:
                 body = {k: v for k, v in body.items() if k != key}
@@ -375,13 +405,49 @@ class GatewayService:
             rec.record_turn(now, a.request.prompt_tokens, a.hashes)
         if h.session_end:
             await self.end_session(h.session_id)
-        else:
-            await self.sessions.put(rec)
+            return
+        await self.sessions.put(rec)
+        if ok and engine is not None:
+            self.after_turn(rec, h, engine, parsed_model=a.request.model)
+
+    def _expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
+        if hints.expected_tool_latency_ms is not None:
+            return hints.expected_tool_latency_ms / 1000
+        gap = rec.expected_gap() if rec is not None else None
+        return gap if gap is not None else self.config.migration.default_gap_s
+
+    def after_turn(
+        self, rec: SessionRecord, hints: AgentHints, engine: str, parsed_model: str
+    ) -> PlanAction | None:
+        """Plan where the session's KV should be for its next turn, and start doing it."""
+        if not self.migrations.controllable(engine):
+            return None
+        turn = TurnOutcome(
+            session_id=rec.session_id,
+            home=engine,
+            context_tokens=rec.context_tokens,
+            gap_s=self._expected_gap(hints, rec),
+            fan_out=hints.fan_out or 0,
+        )
+        index = self.index if parsed_model in self.tokenizers else self.approx
+        action = plan_after_turn(
+            turn, self.cluster.views(), index.match(rec.prefix_hashes), self.migrations.params
+        )
+        tok = self.tokenizers.get(parsed_model)
+        tokens = tok.session_tokens(rec.session_id) if tok is not None else None
+        self.migrations.submit(action, tokens)
+        return action
 
     async def end_session(self, session_id: str) -> SessionRecord | None:
+        """The session is over: cancel pending migrations, release its pins, forget it."""
+        self.migrations.cancel(session_id, reason="session_end")
         rec = await self.sessions.delete(session_id)
         for tok in self.tokenizers.values():
             tok.forget(session_id)
+        if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
+            self.migrations.submit(
+                PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None
+            )
         return rec
 
     async def update_hints(self, session_id: str, hints: AgentHints) -> SessionRecord:

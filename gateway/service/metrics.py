@@ -53,5 +53,33 @@ class GatewayMetrics:
             "agentgw_engine_healthy", "1 if the engine is admitted", ["engine"], registry=r
         )
 
+        self.migrations = Counter(
+            "agentgw_migrations",
+            "Inter-turn KV actions by kind and outcome (started, completed, cancelled, failed)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.migration_bytes = Counter(
+            "agentgw_migration_bytes", "Estimated KV bytes moved by prefetches", registry=r
+        )
+        self.migration_ready = Histogram(
+            "agentgw_migration_ready_seconds",
+            "Time from the end of a turn until the KV is ready on the target",
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.migration_slack = Histogram(
+            "agentgw_migration_gap_slack_seconds",
+            "Actual gap minus time-to-ready (negative: the turn came first)",
+            buckets=(-30, -10, -5, -1, -0.1, 0, 0.1, 1, 5, 10, 30, 120),
+            registry=r,
+        )
+        self.moved_next_turn = Counter(
+            "agentgw_moved_next_turn",
+            "Cache outcome of the first turn after a move (hit: >= 90% cached)",
+            ["outcome"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

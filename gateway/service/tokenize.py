@@ -160,5 +160,10 @@ class ChatTokenizer:
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
 
+    def session_tokens(self, session_id: str) -> list[int] | None:
+        """The last prompt's token ids of a session (a copy), if cached."""
+        entry = self._cache.get(session_id)
+        return list(entry.chain.tokens) if entry is not None else None
+
     def forget(self, session_id: str) -> None:
         self._cache.pop(session_id, None)

@@ -1,0 +1,214 @@
+"""Executes the planner's inter-turn actions through engine_ext's control API.
+
+After each completed turn the service asks :func:`~gateway.core.planner.plan_after_turn` what to
+do, then this executor carries it out in the background: ``move`` and ``replicate`` prefetch the
+session's prefix (its token ids) onto the targets (``POST /v1/kv/prefetch``: the target loads the
+KV from Mooncake / its host tier through vLLM's own connector path), ``stay`` and ``demote`` pin it
+(``POST /v1/kv/pin``), ``release`` unpins. A move changes the session's home only once the
+prefetch is done, so the next turn never waits on a migration: until then it goes where the
+prefix is. A new placement or the session's end cancels what is pending. Concurrent prefetches
+are capped per target engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.config import MigrationConfig
+from gateway.core.planner import ActionKind, PlanAction, PlannerParams
+from gateway.service.cluster import Cluster
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.session_store import SessionStore
+
+log = logging.getLogger("agentgw.migrations")
+
+MAX_RECENT = 1024
+
+
+@dataclass(slots=True)
+class Migration:
+    action: PlanAction
+    started: float
+    state: str = "running"
+    ready: dict[str, float] = field(default_factory=dict)
+    """target -> seconds from start until its prefetch completed."""
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        a = self.action
+        return {
+            "kind": a.kind.value,
+            "reason": a.reason,
+            "source": a.source,
+            "targets": list(a.targets),
+            "pin_ttl_s": a.pin_ttl_s,
+            "state": self.state,
+            "ready_s": self.ready,
+            "error": self.error,
+        }
+
+
+def planner_params(c: MigrationConfig) -> PlannerParams:
+    return PlannerParams(
+        pin_margin_s=c.pin_margin_s,
+        max_pin_s=c.max_pin_s,
+        demote_after_s=c.demote_after_s,
+        default_gap_s=c.default_gap_s,
+        rebalance_queue=c.rebalance_queue,
+        max_target_queue=c.max_target_queue,
+        kv_bytes_per_token=c.kv_bytes_per_token,
+        move_bytes_per_s=c.move_bytes_per_s,
+    )
+
+
+class MigrationExecutor:
+    def __init__(
+        self,
+        config: MigrationConfig,
+        client: httpx.AsyncClient,
+        cluster: Cluster,
+        sessions: SessionStore,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.params = planner_params(config)
+        self.client = client
+        self.cluster = cluster
+        self.sessions = sessions
+        self.metrics = metrics
+        self.clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sems: dict[str, asyncio.Semaphore] = {}
+        self.current: dict[str, Migration] = {}
+        self.recent: deque[Migration] = deque(maxlen=MAX_RECENT)
+
+    def controllable(self, engine: str) -> bool:
+        s = self.cluster.engines.get(engine)
+        return bool(self.config.enabled and s is not None and s.config.control_url)
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def submit(self, action: PlanAction, token_ids: list[int] | None) -> Migration | None:
+        """Start carrying out ``action`` in the background (cancelling the session's pending one)."""
+        self.cancel(action.session_id, reason="new_plan")
+        engines = (action.source, *action.targets)
+        if not all(self.controllable(e) for e in engines):
+            return None
+        if action.kind in (ActionKind.MOVE, ActionKind.REPLICATE) and not token_ids:
+            return None
+        m = Migration(action, self.clock())
+        self.current[action.session_id] = m
+        self.metrics.migrations.labels(action.kind.value, "started").inc()
+        task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{action.session_id}")
+        self._tasks[action.session_id] = task
+        task.add_done_callback(lambda _t, sid=action.session_id: self._tasks.pop(sid, None))
+        return m
+
+    def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
+        task = self._tasks.pop(session_id, None)
+        m = self.current.get(session_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        if m is not None and m.state == "running":
+            m.state = "cancelled"
+            m.error = reason
+            self.metrics.migrations.labels(m.action.kind.value, "cancelled").inc()
+            self.recent.append(m)
+        return True
+
+    def on_next_turn(self, session_id: str, engine: str, cached_fraction: float) -> None:
+        """The session's next turn was routed: a pending migration for it is moot; record how a
+        completed move served it."""
+        self.cancel(session_id, reason="next_turn_arrived")
+        m = self.current.pop(session_id, None)
+        if m is None:
+            return
+        if m.action.kind == ActionKind.MOVE and m.state == "done":
+            self.metrics.moved_next_turn.labels("hit" if cached_fraction >= 0.9 else "miss").inc()
+            gap = self.clock() - m.started
+            for ready in m.ready.values():
+                self.metrics.migration_slack.observe(gap - ready)
+
+    async def stop(self) -> None:
+        for sid in list(self._tasks):
+            self.cancel(sid, reason="shutdown")
+        await asyncio.sleep(0)
+
+    # -- execution -----------------------------------------------------------------------------
+    def _sem(self, engine: str) -> asyncio.Semaphore:
+        sem = self._sems.get(engine)
+        if sem is None:
+            sem = self._sems[engine] = asyncio.Semaphore(self.config.max_per_engine)
+        return sem
+
+    async def _call(self, engine: str, path: str, body: dict[str, object]) -> dict[str, object]:
+        url = self.cluster.engines[engine].config.control_url
+        headers = (
+            {"authorization": f"Bearer {self.config.control_token}"} if self.config.control_token else {}
+        )
+        r = await self.client.post(
+            f"{url}{path}", json=body, headers=headers, timeout=self.config.prefetch_timeout_s
+        )
+        if r.status_code != 200:
+            raise RuntimeError(f"{engine}{path}: HTTP {r.status_code}: {r.text[:200]}")
+        out: dict[str, object] = r.json()
+        return out
+
+    async def _prefetch(self, m: Migration, target: str, token_ids: list[int]) -> None:
+        a = m.action
+        async with self._sem(target):
+            await self._call(
+                target,
+                "/v1/kv/prefetch",
+                {"token_ids": token_ids, "session_id": a.session_id, "pin_ttl_s": a.pin_ttl_s},
+            )
+        m.ready[target] = self.clock() - m.started
+        self.metrics.migration_ready.observe(m.ready[target])
+        self.metrics.migration_bytes.inc(len(token_ids) * self.params.kv_bytes_per_token)
+
+    async def _run(self, m: Migration, token_ids: list[int]) -> None:
+        a = m.action
+        try:
+            if a.kind == ActionKind.RELEASE:
+                await self._call(a.source, "/v1/kv/unpin", {"session_id": a.session_id})
+            elif a.kind in (ActionKind.STAY, ActionKind.DEMOTE):
+                await self._call(a.source, "/v1/kv/pin", {"session_id": a.session_id, "ttl_s": a.pin_ttl_s})
+            else:
+                if a.kind == ActionKind.REPLICATE:
+                    await self._call(
+                        a.source, "/v1/kv/pin", {"session_id": a.session_id, "ttl_s": a.pin_ttl_s}
+                    )
+                results = await asyncio.gather(
+                    *(self._prefetch(m, t, token_ids) for t in a.targets), return_exceptions=True
+                )
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors and len(errors) == len(results):
+                    raise errors[0]
+                if a.kind == ActionKind.MOVE:
+                    await self._rehome(a.session_id, a.source, a.targets[0])
+            m.state = "done"
+            self.metrics.migrations.labels(a.kind.value, "completed").inc()
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            m.state, m.error = "failed", repr(exc)
+            self.metrics.migrations.labels(a.kind.value, "failed").inc()
+            log.warning("migration %s of %s failed: %r", a.kind.value, a.session_id, exc)
+        finally:
+            if m.state != "running":
+                self.recent.append(m)
+
+    async def _rehome(self, session_id: str, source: str, target: str) -> None:
+        rec = await self.sessions.get(session_id, self.clock())
+        if rec is None or rec.ended or rec.home != source or rec.inflight:
+            return  # ended, or a newer placement won: leave it
+        rec.home = target
+        rec.pool = self.cluster.engines[target].pool
+        await self.sessions.put(rec)

@@ -1,0 +1,55 @@
+"""Table-driven tests of the inter-turn planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.core.planner import ActionKind, PlannerParams, TurnOutcome, plan_after_turn
+from gateway.core.types import EngineView, PoolRole, PrefixMatch
+
+M = frozenset({"m"})
+F0 = EngineView("f0", "first", PoolRole.FIRST_TURN, M)
+W0 = EngineView("w0", "warm", PoolRole.WARM, M)
+W1 = EngineView("w1", "warm", PoolRole.WARM, M, running=3)
+W2 = EngineView("w2", "warm", PoolRole.WARM, M, running=1)
+HOT = EngineView("w0", "warm", PoolRole.WARM, M, running=40)
+DOWN = EngineView("w2", "warm", PoolRole.WARM, M, healthy=False)
+P = PlannerParams()
+
+
+def turn(home: str = "w0", gap: float = 10.0, **kw: object) -> TurnOutcome:
+    return TurnOutcome("s", home, context_tokens=kw.pop("ctx", 50_000), gap_s=gap, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("t", "engines", "matches", "kind", "targets", "reason"),
+    [
+        (turn(ended=True), [W0, W1], {}, ActionKind.RELEASE, (), "session_end"),
+        (turn("f0"), [F0, W0, W1, W2], {}, ActionKind.MOVE, ("w0",), "first_turn_to_warm"),
+        # prefer the warm engine that already holds the prefix
+        (
+            turn("f0"),
+            [F0, W0, W1],
+            {"w1": PrefixMatch(10, 10, 10.0)},
+            ActionKind.MOVE,
+            ("w1",),
+            "first_turn_to_warm",
+        ),
+        (turn("f0"), [F0, DOWN], {}, ActionKind.STAY, (), "stay"),
+        (turn(fan_out=3), [W0, W1, W2, F0], {}, ActionKind.REPLICATE, ("w2", "w1"), "fan_out"),
+        (turn(gap=600), [W0, W1], {}, ActionKind.DEMOTE, (), "long_gap"),
+        # hot home, cold target, moving 50K tokens (0.2 s at 2 GB/s) fits in a 10 s gap
+        (turn(), [HOT, W2], {}, ActionKind.MOVE, ("w2",), "rebalance"),
+        # but not in a 0.1 s gap
+        (turn(gap=0.1), [HOT, W2], {}, ActionKind.STAY, (), "stay"),
+        (turn(), [W0, W1], {}, ActionKind.STAY, (), "stay"),
+    ],
+)
+def test_plan(t, engines, matches, kind, targets, reason) -> None:  # type: ignore[no-untyped-def]
+    a = plan_after_turn(t, engines, matches, P)
+    assert (a.kind, a.targets, a.reason) == (kind, targets, reason)
+
+
+def test_pin_ttl_is_gap_plus_margin_capped() -> None:
+    assert plan_after_turn(turn(gap=40), [W0], {}, P).pin_ttl_s == 45
+    assert plan_after_turn(turn(gap=10_000), [W0], {}, P).pin_ttl_s == P.max_pin_s

@@ -1,0 +1,33 @@
+"""The gateway tests' engines: one package-scoped cluster (1 first-turn + 2 warm real engines),
+stopped when the last gateway test finished so later packages have the memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.local.engines import LocalEngine, start_engines
+from tests.conftest import ServedGateway, cluster_config, engine_specs, wait_ready
+
+
+@pytest.fixture(scope="package")
+def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
+    """Three real engines: one first-turn, two warm (priority scheduling on)."""
+    specs = engine_specs(
+        tiny_llama, ["first0", "warm0", "warm1"], workdir, extra_args=("--scheduling-policy", "priority")
+    )
+    engines = start_engines(specs, timeout_s=300)
+    try:
+        yield {e.spec.name: e for e in engines}
+    finally:
+        for e in engines:
+            e.stop()
+
+
+@pytest.fixture(scope="package")
+def gateway(cluster: dict[str, LocalEngine], tiny_llama: Path) -> Iterator[ServedGateway]:
+    with ServedGateway(cluster_config(cluster, tiny_llama)) as gw:
+        wait_ready(gw.url)
+        yield gw
