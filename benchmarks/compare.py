@@ -3,6 +3,7 @@
     python -m benchmarks.compare                       # the ANCHORS configurations, Weka dev traces
     python -m benchmarks.compare --configs 8x64x10 --policies agentic+hints,precise_prefix
     python -m benchmarks.compare --engine h200-qwen3-32b-fp8 --no-sweep
+    python -m benchmarks.compare --with-dynamo         # + Dynamo 1.6.1's own replay, same run
 
 Every policy runs through the real ``gateway.core.router.Router`` in the discrete-event simulator
 (:mod:`benchmarks.sim`), against the same modeled engines (default: Dynamo 1.6.1's mocker model).
@@ -14,6 +15,11 @@ Policies: ``round_robin``, ``least_loaded``, ``session_hash``, ``cache_aware`` (
 style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d style, index fed
 by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for
 subagents, expected tool latency from the trace's recorded gap).
+
+``--with-dynamo`` also runs NVIDIA Dynamo 1.6.1's offline replay (:mod:`benchmarks.dynamo_replay`,
+in its own Python 3.10 environment) on the same Weka files, for the same configurations (and the
+KV router at each sweep point), and prints its measured rows under ours instead of the ANCHORS
+figures.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks.sim.calibration import ENGINES
 from benchmarks.sim.cluster import SimConfig, simulate
@@ -90,7 +97,9 @@ def run_one(
     return m, ttft
 
 
-def format_table(rows: Sequence[RunMetrics], config: str) -> str:
+def format_table(
+    rows: Sequence[RunMetrics], config: str, dynamo_rows: Sequence[dict[str, Any]] | None = None
+) -> str:
     head = (
         f"{'policy':<16} {'reuse':>7} {'ideal':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
         f"{'recompute Mtok':>14} {'P90 tok/s':>9} {'TPGS':>7} {'TPGS@SLO':>8} {'preempt':>7} {'wall s':>6}"
@@ -103,9 +112,19 @@ def format_table(rows: Sequence[RunMetrics], config: str) -> str:
             f"{m.interactivity_p90:>9.1f} {m.tpgs:>7.0f} {m.tpgs_at_slo:>8.0f} {m.preemptions:>7d} "
             f"{m.wall_s:>6.1f}"
         )
+    if dynamo_rows is not None:
+        for d in dynamo_rows:
+            lines.append(
+                f"{d['label']:<16.16} {d['hit_rate']:>7.1%} {'':>7} {d['ttft_p50_ms']:>9.0f} "
+                f"{d['ttft_p90_ms']:>8.0f} {d['ttft_p99_ms']:>8.0f} {'':>14} "
+                f"{d['interactivity_p90']:>9.1f} {d['tpgs']:>7.0f} {d['tpgs_at_slo']:>8.0f} {'':>7} "
+                f"{d['wall_s']:>6.1f}  (Dynamo 1.6.1 replay)"
+            )
+        return "\n".join(lines)
     for name, (reuse, p50, p90) in DYNAMO.get(config, {}).items():
         p50s = f"{p50:>9.0f}" if p50 is not None else f"{'-':>9}"
-        lines.append(f"{'Dynamo ' + name:<16.16} {reuse:>7.1%} {'':>7} {p50s} {p90:>8.0f}   (ANCHORS)")
+        label = name if name.startswith("Dynamo") else "Dynamo " + name
+        lines.append(f"{label:<16.16} {reuse:>7.1%} {'':>7} {p50s} {p90:>8.0f}   (ANCHORS)")
     return "\n".join(lines)
 
 
@@ -190,6 +209,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sweep-config", default="8x0x10", help="workers and speed-up of the sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument(
+        "--with-dynamo",
+        action="store_true",
+        help="also run Dynamo 1.6.1's replay (.dynamo-venv or $DYNAMO_PYTHON) on the same Weka traces",
+    )
+    ap.add_argument("--dynamo-python", default=None, help="the Dynamo interpreter (default: .dynamo-venv)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -203,6 +228,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     configs = [c for c in args.configs.split(",") if c]
     lanes_open = args.trace == "mooncake"
+    sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
+    sw, _, ssp = parse_config(args.sweep_config)
+    dyn: dict[str, list[dict[str, Any]]] | None = None
+    dyn_sweep: list[tuple[int, float, float]] = []
+    dyn_error = ""
+    if args.with_dynamo:
+        if args.trace != "weka":
+            dyn_error = "--with-dynamo needs --trace weka"
+        else:
+            from benchmarks import dynamo_replay as dr
+
+            runs = dr.anchor_runs(configs)
+            sweep_cfgs = [f"{sw}x{x}x{ssp:g}" for x in sweep_lanes] if not lanes_open else []
+            runs += [(c, "kv_router") for c in sweep_cfgs if (c, "kv_router") not in runs]
+            t0 = time.perf_counter()
+            try:
+                rows_d = dr.run_dynamo(
+                    runs, Path(args.trace_path) if args.trace_path else None, args.dynamo_python
+                )
+            except (dr.DynamoUnavailable, OSError) as exc:
+                dyn_error = str(exc)
+            else:
+                dyn = {}
+                for d in rows_d:
+                    dyn.setdefault(str(d["config"]), []).append(d)
+                for c in sweep_cfgs:
+                    for d in dyn.get(c, []):
+                        if d["policy"] == "kv_router":
+                            dyn_sweep.append(
+                                (parse_config(c)[1], float(d["tpgs"]), float(d["interactivity_p90"]))
+                            )
+                print(f"Dynamo replay: {len(rows_d)} runs in {time.perf_counter() - t0:.1f}s", flush=True)
+        if dyn_error:
+            print(f"Dynamo replay not run: {dyn_error}; showing the ANCHORS figures", flush=True)
     results: dict[str, dict[str, dict[str, object]]] = {}
     cdfs: dict[str, dict[str, list[float]]] = {}
     done: dict[tuple[str, int, int, float], RunMetrics] = {}
@@ -216,12 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(m)
             cdfs[config][policy] = ttft
         print(f"\n== {config}: {w} workers, {lanes} lanes, arrival speed-up {sp:g} ==")
-        print(format_table(rows, config), flush=True)
+        print(format_table(rows, config, dyn.get(config, []) if dyn is not None else None), flush=True)
         results[config] = {m.label: m.as_dict() for m in rows}
+        if dyn is not None:
+            results[config].update({str(d["label"]): d for d in dyn.get(config, [])})
 
     sweep: dict[str, list[tuple[int, float, float]]] = {}
-    sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
-    sw, _, ssp = parse_config(args.sweep_config)
     if sweep_lanes and not lanes_open:
         for policy in policies:
             for lanes in sweep_lanes:
@@ -229,12 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if m is None:
                     m, _ = run_one(plays, ideal, policy, sw, lanes, ssp, args.engine)
                 sweep.setdefault(policy, []).append((lanes, m.tpgs, m.interactivity_p90))
+        if dyn_sweep:
+            sweep["Dynamo KV router"] = dyn_sweep
         print(f"\n== TPGS vs concurrency: {sw} workers, speed-up {ssp:g} ==")
         print(f"{'policy':<16} " + " ".join(f"{'L=' + str(x):>14}" for x in sweep_lanes))
         for policy, pts in sweep.items():
             cells = " ".join(f"{t:>8.0f} ({i:>3.0f})" for _, t, i in sorted(pts))
             print(f"{policy:<16} {cells}")
-        print("cells: TPGS (P90 interactivity tok/s)")
+        print("cells: TPGS (P90 interactivity tok/s); TPGS counts only when P90 interactivity >= 50")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ def _serve_app(config: GatewayConfig, log_level: str) -> None:
         loop="uvloop",
         http="httptools",
         lifespan="on",
+        proxy_headers=False,  # a measurable per-request cost; the gateway is not behind a proxy
+        server_header=False,
     )
 
 

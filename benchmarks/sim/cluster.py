@@ -33,6 +33,7 @@ from gateway.core.types import EngineView, PoolRole, RouteRequest, SessionView, 
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
 
+
 MODEL = "agent-model"
 _NEEDS_PRECISE = {"agentic", "precise_prefix"}
 _NEEDS_APPROX = {"cache_aware"}

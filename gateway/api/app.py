@@ -23,7 +23,7 @@ from gateway.errors import ApiError, error_body
 from gateway.service.cluster import Cluster
 from gateway.service.gateway import GatewayService
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.proxy import make_client
+from gateway.service.proxy import make_upstream
 from gateway.service.session_store import MemorySessionStore, RedisSessionStore, SessionStore
 
 HOT_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -53,8 +53,8 @@ class GatewayApp:
 def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = make_client(config, transport)
-        cluster = Cluster(config, client)
+        upstream = make_upstream(config, transport)
+        cluster = Cluster(config, upstream.http)
         metrics = GatewayMetrics()
         r = config.routing
         router = Router(
@@ -74,7 +74,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
             if s.backend == "redis"
             else MemorySessionStore(s.capacity, s.ttl_s)
         )
-        service = GatewayService(config, client, cluster, router, metrics, sessions)
+        service = GatewayService(config, upstream, cluster, router, metrics, sessions)
         app.state.service = service
         await cluster.probe_once()
         cluster.start()
@@ -84,7 +84,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         finally:
             await service.stop()
             await cluster.stop()
-            await client.aclose()
+            await upstream.aclose()
 
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.include_router(admin_routes.router)

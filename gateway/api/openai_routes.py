@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
 from gateway.errors import ApiError
 from gateway.protocol import parse_body
@@ -81,16 +81,20 @@ class CompletionsEndpoint:
         try:
             await self._relay(svc, plan, up, t0, receive, send)
         finally:
-            with contextlib.suppress(Exception):
-                await up.response.aclose()
+            # release() returns a fully read connection to the pool; close() drops one that is
+            # mid-response (a client went away), which makes vLLM abort the request
+            if up.response.content.at_eof():
+                up.response.release()
+            else:
+                up.response.close()
 
     async def _relay(
         self, svc: GatewayService, plan: Any, up: Upstream, t0: float, receive: Any, send: Any
     ) -> None:
         resp = up.response
-        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in RESPONSE_DROP]
+        headers = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in RESPONSE_DROP]
         headers += plan.response_headers(up)
-        await send({"type": "http.response.start", "status": resp.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
 
         me = asyncio.current_task()
         state = {"done": False, "gone": False}
@@ -105,9 +109,9 @@ class CompletionsEndpoint:
         watch = asyncio.ensure_future(receive())
         watch.add_done_callback(on_receive)
         first = True
-        status = str(resp.status_code)
+        status = str(resp.status)
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 if first:
                     svc.metrics.ttft.labels(self.route).observe(time.perf_counter() - t0)
                     first = False
@@ -122,7 +126,7 @@ class CompletionsEndpoint:
             uncancel = getattr(me, "uncancel", None)
             if uncancel is not None:
                 uncancel()
-        except httpx.HTTPError as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)

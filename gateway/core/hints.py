@@ -211,8 +211,25 @@ _HEADER_FIELDS = {
 }
 
 
+#: Every header name (lowercase) that any dialect reads.
+HEADER_NAMES = HINT_HEADERS | {
+    "x-session-id",
+    "x-claude-code-session-id",
+    "x-claude-code-agent-id",
+    "x-claude-code-parent-agent-id",
+    "session-id",
+    "thread-id",
+    "x-correlation-id",
+}
+_BODY_KEYS = ("agent_hints", "nvext", "vllm_xargs", "session_id", "prompt_cache_key", "user")
+NO_HINTS = AgentHints()
+
+
 def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHints:
-    """Collect hints from every dialect. ``headers`` has lowercase names."""
+    """Collect hints from every dialect. ``headers`` has lowercase names (only the hint headers
+    matter; see ``HEADER_NAMES``)."""
+    if not headers and not any(k in body for k in _BODY_KEYS):
+        return NO_HINTS
     b = _Builder()
     ah = body.get("agent_hints")
     if ah is not None:

@@ -162,11 +162,14 @@ class Router:
         )
 
     def _explain(self, chosen: Candidate, candidates: Sequence[Candidate]) -> str:
-        others = [c for c in candidates if c.engine != chosen.engine]
+        """The scorer that separated the winner from the runner-up most (weight x score gap)."""
+        runner_up = max((c for c in candidates if c is not chosen), key=lambda c: c.total, default=None)
+        if runner_up is None:
+            return "only"
         best_name, best_gap = "tie", 1e-9
         for w in self.profile.scorers:
             name = w.scorer.name
-            gap = w.weight * (chosen.scores.get(name, 0.0) - max(c.scores.get(name, 0.0) for c in others))
+            gap = w.weight * (chosen.scores.get(name, 0.0) - runner_up.scores.get(name, 0.0))
             if gap > best_gap:
                 best_name, best_gap = name, gap
         return best_name

@@ -41,6 +41,7 @@ class EngineState:
     waiting: int = 0
     kv_usage: float = 0.0
     inflight: int = 0
+    capacity_blocks: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -58,14 +59,23 @@ class EngineState:
             waiting=self.waiting,
             kv_usage=self.kv_usage,
             inflight=self.inflight,
+            capacity_blocks=self.capacity_blocks,
         )
 
 
 def parse_vllm_gauges(text: bytes) -> dict[str, float]:
-    """Sum the load gauges over label sets (one engine may report per-model series)."""
+    """Sum the load gauges over label sets (one engine may report per-model series); read the
+    device KV capacity in blocks from ``vllm:cache_config_info``'s ``num_gpu_blocks`` label."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith(b"vllm:"):
+            continue
+        if line.startswith(b"vllm:cache_config_info{"):
+            i = line.find(b'num_gpu_blocks="')
+            if i >= 0:
+                j = line.find(b'"', i + 16)
+                with contextlib.suppress(ValueError):
+                    out["capacity_blocks"] = float(line[i + 16 : j])
             continue
         name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
         key = _GAUGES.get(line[:name_end])
@@ -174,6 +184,7 @@ class Cluster:
         s.running = int(g.get("running", 0))
         s.waiting = int(g.get("waiting", 0))
         s.kv_usage = float(g.get("kv_usage", 0.0))
+        s.capacity_blocks = int(g.get("capacity_blocks", s.capacity_blocks))
         self._changed()
 
     async def _loop(self, fn: str, interval: float) -> None:

@@ -17,12 +17,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 import zmq.asyncio
+from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
-from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints, HintError, parse_hints
+from gateway.core.hints import (
+    GATEWAY_BODY_KEYS,
+    HEADER_NAMES,
+    HINT_HEADERS,
+    AgentHints,
+    HintError,
+    parse_hints,
+)
 from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
@@ -34,21 +42,24 @@ from gateway.service.cluster import Cluster
 from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
-from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS
+from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS, Upstream
 from gateway.service.session_store import SessionStore
 from gateway.service.tokenize import ChatTokenizer
 
 log = logging.getLogger("agentgw.gateway")
 
+_HINT_HEADER_BYTES = frozenset(h.encode() for h in HEADER_NAMES)
 _DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS}
 MAX_SIBLING_PARENTS = 10_000
 
 
 @dataclass(slots=True)
-class Upstream:
+class Relay:
+    """An open upstream response being relayed."""
+
     engine: str
     pool: str
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     retried: bool
 
 
@@ -76,7 +87,7 @@ class Plan:
     analysis: Analysis
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
-    def response_headers(self, up: Upstream) -> list[tuple[bytes, bytes]]:
+    def response_headers(self, up: Relay) -> list[tuple[bytes, bytes]]:
         d = self.decision
         reason = d.reason if not up.retried else "retry"
         out = [
@@ -111,7 +122,7 @@ class GatewayService:
     def __init__(
         self,
         config: GatewayConfig,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         cluster: Cluster,
         router: Router,
         metrics: GatewayMetrics,
@@ -119,7 +130,7 @@ class GatewayService:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.client = client
+        self.upstream = upstream
         self.cluster = cluster
         self.router = router
         self.metrics = metrics
@@ -138,7 +149,9 @@ class GatewayService:
         self._siblings: dict[str, Counter[str]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
-        self.migrations = MigrationExecutor(config.migration, client, cluster, sessions, metrics, clock)
+        self.migrations = MigrationExecutor(
+            config.migration, upstream.http, cluster, sessions, metrics, clock
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -180,7 +193,10 @@ class GatewayService:
         return out
 
     async def analyze(self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]]) -> Analysis:
-        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+        hdrs = {}
+        for k, v in headers:
+            if k in _HINT_HEADER_BYTES:
+                hdrs[k.decode("latin-1")] = v.decode("latin-1")
         warning = None
         try:
             hints = parse_hints(hdrs, parsed.body)
@@ -337,21 +353,21 @@ class GatewayService:
     # -- sending -------------------------------------------------------------------------------
     async def open(
         self, decision: Decision, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]]
-    ) -> Upstream:
+    ) -> Relay:
         """Send the request; on a connection failure before any byte, retry once on another
         engine of the same pool, then give up with a 502."""
         tries = [decision.engine, *decision.fallbacks[:1]]
-        last: Exception | None = None
+        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        last: BaseException | None = None
         for i, name in enumerate(tries):
             state = self.cluster.engines[name]
             if i > 0 and not state.healthy:
                 continue
-            request = self.client.build_request(
-                "POST", state.config.url + path, content=body, headers=headers
-            )
             self.cluster.begin(name)
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self.upstream.session.post(
+                    state.config.url + path, data=body, headers=hdrs, timeout=self.upstream.timeout
+                )
             except CONNECT_ERRORS as exc:
                 self.cluster.end(name)
                 self.cluster.record_connect_failure(name)
@@ -359,13 +375,13 @@ class GatewayService:
                 log.warning("connect to %s failed: %r", name, exc)
                 last = exc
                 continue
-            except httpx.HTTPError as exc:
+            except aiohttp.ClientError as exc:
                 self.cluster.end(name)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
                 raise ApiError(
                     502, f"engine '{name}' failed before responding: {exc!r}", None, "upstream_error"
                 ) from None
-            return Upstream(name, state.pool, response, retried=i > 0)
+            return Relay(name, state.pool, response, retried=i > 0)
         raise ApiError(
             502,
             f"could not connect to any engine of pool '{decision.pool}': {last!r}",
@@ -377,7 +393,7 @@ class GatewayService:
         """The request was planned but never reached an engine."""
         await self._settle(plan, None, ok=False)
 
-    async def finish(self, plan: Plan, up: Upstream, status: str) -> None:
+    async def finish(self, plan: Plan, up: Relay, status: str) -> None:
         self.cluster.end(up.engine)
         await self._settle(plan, up.engine, ok=status.startswith("2"))
 

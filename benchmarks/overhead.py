@@ -1,0 +1,690 @@
+"""Gateway overhead: the same load sent straight to a fast stand-in engine and through a router.
+
+Two stand-in engines (``benchmarks.fake_engine``: no model, a few microseconds per request) sit
+behind each router under test. The load generator runs on one core (``--load-core``, 0), the
+engines and every router on another (``--server-core``, 1), so routers compete for one core as in
+docs/benchmarks.md. For each case (body size x concurrency) and target:
+
+- ``wrk`` (``benchmarks/wrk/post.lua``) POSTs the body for ``--duration`` seconds: latency to the
+  end of the stream (p50, p99) and requests per second;
+- an aiohttp client, ``c`` workers back to back, measures TTFT (request sent -> first SSE data
+  bytes) for cases whose concurrency is in ``--ttft-conc``;
+- the target's CPU time per request (``/proc/PID/stat``) and its peak RSS (``VmHWM``).
+
+Bodies: ``small`` ~220 B chat request with ``stream: true``; ``large`` ~647 KB, one user message
+of ~140K tokens' worth of words. Every figure is the median of ``--repeat`` runs; the targets are
+measured interleaved, in a rotating order, so drift in a shared machine spreads over all of them.
+"+" columns are target minus ``direct`` in the same run.
+
+Targets: ``direct`` (engine 0), ``gateway`` (``python -m gateway serve --config CONFIG``, or
+``--gateway-cmd``), and with ``--peers``: ``naive`` (``benchmarks.naive_proxy``: FastAPI +
+httpx + StreamingResponse) and ``vllm-router`` (the Rust vLLM router from PyPI, installed into a
+separate virtual environment, round-robin and cache-aware policies).
+
+    python -m benchmarks.overhead --duration 3 --repeat 3 --peers naive,vllm-router --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import nan
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks._common import (
+    ManagedProcess,
+    cpu_seconds,
+    peak_rss_kib,
+    percentile,
+    pin_prefix,
+    port_is_free,
+    wait_http_ok,
+)
+
+__all__ = ["Case", "Target", "large_body", "main", "run_ttft", "run_wrk", "small_body"]
+
+REPO = Path(__file__).resolve().parent.parent
+WRK_SCRIPT = REPO / "benchmarks" / "wrk" / "post.lua"
+MODEL = "bench-model"
+CHAT_PATH = "/v1/chat/completions"
+ALL_CASES = ("small-c1", "small-c64", "small-c256", "large-c1", "large-c64", "large-c256")
+PEERS = {"naive": ["naive"], "vllm-router": ["vllm-router-rr", "vllm-router-ca"]}
+
+# Port layout, relative to --port-base.
+ENGINE_OFFSETS = (1, 2)
+TARGET_OFFSETS = {"gateway": 100, "vllm-router-rr": 110, "vllm-router-ca": 111, "naive": 120}
+
+_TEXT = (
+    "the agent reads a file then calls a tool and writes the patch while the model keeps its cache "
+    "warm across turns so that each new request shares a long prefix with the last one in session "
+    "context window token block engine router gateway prefill decode stream chunk latency budget "
+    "function result error retry plan step test build commit review diff search query index table"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies
+
+
+def small_body(model: str = MODEL) -> bytes:
+    """~220 B streamed chat request."""
+    req = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Write a haiku about a gateway that routes agents."},
+        ],
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    return json.dumps(req, separators=(",", ":")).encode()
+
+
+def large_body(model: str = MODEL, target_bytes: int = 647_000) -> bytes:
+    """One user message of ~``target_bytes`` of words (~140K tokens for 647 KB), streamed."""
+    words = _TEXT.split()
+    rng = random.Random(0)
+    parts: list[str] = []
+    size = 0
+    budget = target_bytes - 200
+    while size < budget:
+        w = rng.choice(words)
+        parts.append(w)
+        size += len(w) + 1
+    req = {
+        "model": model,
+        "messages": [{"role": "user", "content": " ".join(parts)}],
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    return json.dumps(req, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# load generators
+
+
+@dataclass(frozen=True)
+class Case:
+    size: str
+    concurrency: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.size}-c{self.concurrency}"
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        size, _, conc = text.partition("-c")
+        if size not in ("small", "large") or not conc.isdigit() or int(conc) < 1:
+            raise ValueError(f"bad case {text!r}: expected small-cN or large-cN")
+        return cls(size, int(conc))
+
+
+def run_wrk(url: str, body_path: Path, concurrency: int, duration_s: float, load_core: int | None) -> dict:
+    """One ``wrk`` run; latencies in ms. Raises ``RuntimeError`` when wrk prints no summary."""
+    argv = [
+        *pin_prefix(load_core),
+        "wrk",
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{duration_s:g}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(WRK_SCRIPT),
+        url,
+        "--",
+        str(body_path),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("WRK_JSON "):
+            raw = json.loads(line[len("WRK_JSON ") :])
+            break
+    else:
+        raise RuntimeError(f"wrk printed no summary (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    out = {
+        "requests": raw["requests"],
+        "rps": raw["requests"] / (raw["duration_us"] / 1e6),
+        "errors": sum(v for k, v in raw.items() if k.startswith("err_")),
+        "wrk": raw,
+    }
+    if raw["requests"]:  # else no latency: nothing finished within the run
+        for q in ("p50", "p90", "p99", "max"):
+            out[f"{q}_ms"] = raw[f"{q}_us"] / 1000
+    return out
+
+
+async def _ttft_load(url: str, body: bytes, concurrency: int, duration_s: float, rate: float) -> dict:
+    loop = asyncio.get_running_loop()
+    interval = concurrency / rate if rate > 0 else 0.0  # each worker's pace when a rate is set
+    ttfts: list[float] = []
+    totals: list[float] = []
+    errors = 0
+    headers = {"Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        deadline = loop.time() + duration_s
+
+        async def worker(phase: float) -> None:
+            nonlocal errors
+            warm = False
+            next_at = loop.time() + phase
+            while loop.time() < deadline:
+                if interval:
+                    await asyncio.sleep(max(0.0, next_at - loop.time()))
+                    next_at = max(next_at + interval, loop.time())
+                t0 = time.perf_counter()
+                t_first = None
+                try:
+                    async with session.post(url, data=body, headers=headers) as resp:
+                        if resp.status != 200:
+                            await resp.read()
+                            errors += 1
+                            continue
+                        async for chunk in resp.content.iter_any():
+                            if t_first is None and b"data:" in chunk:
+                                t_first = time.perf_counter()
+                    t_end = time.perf_counter()
+                except (aiohttp.ClientError, TimeoutError):
+                    errors += 1
+                    continue
+                if t_first is None:
+                    errors += 1
+                elif warm:
+                    ttfts.append(t_first - t0)
+                    totals.append(t_end - t0)
+                warm = True  # each worker's first request opens its connection: not counted
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(interval * i / concurrency) for i in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ttfts.sort()
+    totals.sort()
+    return {
+        "ttft_n": len(ttfts),
+        "ttft_rps": len(ttfts) / elapsed,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "ttft_total_p50_ms": percentile(totals, 50) * 1000,
+        "ttft_errors": errors,
+    }
+
+
+def run_ttft(url: str, body: bytes, concurrency: int, duration_s: float, rate: float = 0.0) -> dict:
+    """TTFT from ``concurrency`` workers on this process's core (uvloop when present).
+
+    ``rate`` 0: closed loop, each worker sends its next request as soon as the last one ends, so at
+    saturation TTFT is mostly queueing. ``rate`` > 0: the workers together offer ``rate`` req/s
+    (evenly paced, never more than ``concurrency`` in flight), which measures the per-request cost
+    below saturation.
+    """
+    load = _ttft_load(url, body, concurrency, duration_s, rate)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(load)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(load)
+
+
+# ---------------------------------------------------------------------------------------------
+# targets
+
+
+@dataclass
+class Target:
+    name: str
+    base_url: str
+    ready_path: str
+    proc: ManagedProcess
+    owned: bool = True
+    """False for ``direct``: its process is an engine, stopped with the engines."""
+
+    @property
+    def url(self) -> str:
+        return self.base_url + CHAT_PATH
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    workdir: Path
+    engines: list[ManagedProcess] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def server_core(self) -> int | None:
+        return None if self.args.no_pin else self.args.server_core
+
+    def port(self, offset: int) -> int:
+        return int(self.args.port_base) + offset
+
+    def engine_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.port(o)}" for o in ENGINE_OFFSETS]
+
+    def spawn(self, name: str, argv: list[str], port: int) -> ManagedProcess:
+        if not port_is_free(port):
+            raise RuntimeError(f"port {port} is in use (choose another --port-base)")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return ManagedProcess(name, [*pin_prefix(self.server_core), *argv], self.workdir, env=env)
+
+    def start_engines(self) -> None:
+        for i, url in enumerate(self.engine_urls()):
+            port = int(url.rsplit(":", 1)[1])
+            argv = [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", MODEL]
+            self.engines.append(self.spawn(f"fake{i}", argv, port))
+        for url, proc in zip(self.engine_urls(), self.engines, strict=True):
+            wait_http_ok(url + "/health", 15, proc.proc)
+
+    def start_target(self, name: str) -> None:
+        starters: dict[str, Callable[[], tuple[list[str], int, str] | str]] = {
+            "gateway": self._gateway_argv,
+            "naive": self._naive_argv,
+            "vllm-router-rr": lambda: self._vllm_router_argv("vllm-router-rr", "round_robin"),
+            "vllm-router-ca": lambda: self._vllm_router_argv("vllm-router-ca", "cache_aware"),
+        }
+        if name == "direct":
+            url = self.engine_urls()[0]
+            self.targets.append(Target("direct", url, "/health", self.engines[0], owned=False))
+            return
+        got = starters[name]()
+        if isinstance(got, str):
+            self.skipped[name] = got
+            print(f"[overhead] skipping {name}: {got}", file=sys.stderr)
+            return
+        argv, port, ready_path = got
+        proc = self.spawn(name, argv, port)
+        target = Target(name, f"http://127.0.0.1:{port}", ready_path, proc)
+        try:
+            wait_http_ok(target.base_url + ready_path, self.args.ready_timeout, proc.proc)
+        except RuntimeError as exc:
+            tail = proc.log_tail()
+            proc.stop()
+            raise RuntimeError(
+                f"{name} did not become ready: {exc}\n--- {proc.log_path} ---\n{tail}"
+            ) from exc
+        self.targets.append(target)
+
+    def _gateway_argv(self) -> tuple[list[str], int, str] | str:
+        port = self.port(TARGET_OFFSETS["gateway"])
+        config = self.workdir / "gateway.yaml"
+        engines = "\n".join(
+            f'      - {{name: fake{i}, url: "{url}", model: {MODEL}}}'
+            for i, url in enumerate(self.engine_urls())
+        )
+        config.write_text(
+            f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "pools:\n"
+            "  - name: warm\n"
+            "    role: any\n"
+            "    engines:\n"
+            f"{engines}\n"
+        )
+        if self.args.gateway_cmd:
+            fmt = {"config": str(config), "port": str(port), "python": sys.executable}
+            return [tok.format(**fmt) for tok in shlex.split(self.args.gateway_cmd)], port, "/ready"
+        if not (REPO / "gateway" / "__main__.py").exists():
+            return "gateway/__main__.py does not exist yet (or pass --gateway-cmd)"
+        return [sys.executable, "-m", "gateway", "serve", "--config", str(config)], port, "/ready"
+
+    def _naive_argv(self) -> tuple[list[str], int, str]:
+        port = self.port(TARGET_OFFSETS["naive"])
+        argv = [sys.executable, "-m", "benchmarks.naive_proxy", "--port", str(port)]
+        for url in self.engine_urls():
+            argv += ["--backend", url]
+        return argv, port, "/ready"
+
+    def _vllm_router_argv(self, name: str, policy: str) -> tuple[list[str], int, str] | str:
+        binary = self.args.vllm_router_bin
+        if not binary or not Path(binary).exists():
+            return (
+                "no vllm-router executable (pip install vllm-router into a separate venv, "
+                "e.g. .bench-venv, or pass --vllm-router-bin)"
+            )
+        port = self.port(TARGET_OFFSETS[name])
+        argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+        argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 500)]
+        argv += ["--log-level", "warning", "--worker-urls", *self.engine_urls()]
+        return argv, port, "/health"
+
+    def stop_all(self) -> None:
+        for t in self.targets:
+            if t.owned:
+                t.proc.stop()
+        for e in self.engines:
+            e.stop()
+
+
+def _default_vllm_router_bin() -> str:
+    env = os.environ.get("AGENTGW_VLLM_ROUTER_BIN")
+    if env:
+        return env
+    local = REPO / ".bench-venv" / "bin" / "vllm-router"
+    if local.exists():
+        return str(local)
+    return shutil.which("vllm-router") or ""
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring and reporting
+
+
+def measure(bench: Bench, target: Target, case: Case, bodies: dict[str, Path], rep: int) -> dict:
+    args = bench.args
+    load_core = None if args.no_pin else args.load_core
+    pid = target.proc.pid
+    spy = None
+    if args.py_spy and target.name in args.py_spy_targets:
+        spy = start_py_spy(
+            pid, args.py_spy / f"{target.name}-{case.name}-r{rep}.txt", args.duration, load_core
+        )
+    cpu0 = cpu_seconds(pid)
+    row: dict = {"target": target.name, "case": case.name}
+    row.update(run_wrk(target.url, bodies[case.size], case.concurrency, args.duration, load_core))
+    if row["requests"]:
+        row["cpu_us_per_req"] = (cpu_seconds(pid) - cpu0) / row["requests"] * 1e6
+    if spy is not None:
+        spy.wait(60)
+    if case.concurrency in args.ttft_conc:
+        body = bodies[case.size].read_bytes()
+        row.update(run_ttft(target.url, body, case.concurrency, args.duration, args.ttft_rate))
+    row["peak_rss_mib"] = peak_rss_kib(pid) / 1024
+    if target.proc.proc.poll() is not None:
+        raise RuntimeError(f"{target.name} exited during {case.name}:\n{target.proc.log_tail()}")
+    return row
+
+
+def start_py_spy(pid: int, out: Path, duration_s: float, core: int | None) -> subprocess.Popen[bytes]:
+    """Sample ``pid`` (without pausing it) for ``duration_s``; collapsed stacks go to ``out``."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [*pin_prefix(core), exe, "record", "--pid", str(pid), "--duration", str(max(1, int(duration_s)))]
+    argv += ["--rate", "250", "--nonblocking", "--function", "--format", "raw", "-o", str(out)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def hot_spots(collapsed: Path, n: int = 15) -> str:
+    """Top functions of a py-spy collapsed-stack file, by own samples and by inclusive samples."""
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        total += k
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + k
+    if not total:
+        return f"{collapsed}: no samples"
+    lines = [f"{collapsed.name}: {total} samples"]
+    for title, table in (("own", own), ("inclusive", incl)):
+        lines.append(f"  top {n} by {title} time:")
+        for frame, k in sorted(table.items(), key=lambda kv: -kv[1])[:n]:
+            lines.append(f"    {100 * k / total:5.1f}%  {frame}")
+    return "\n".join(lines)
+
+
+_METRICS = (
+    "p50_ms",
+    "p99_ms",
+    "rps",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "cpu_us_per_req",
+    "peak_rss_mib",
+    "errors",
+)
+
+
+def summarize(runs: list[dict], targets: list[str], cases: list[Case]) -> list[dict]:
+    """Median over repeats of each metric per (target, case), plus the differences to ``direct``."""
+    rows = []
+    for case in cases:
+        for name in targets:
+            group = [r for r in runs if r["target"] == name and r["case"] == case.name]
+            if not group:
+                continue
+            row: dict = {"target": name, "case": case.name, "repeats": len(group)}
+            for m in _METRICS:
+                vals = [r[m] for r in group if m in r and not math.isnan(r[m])]
+                if vals:
+                    row[m] = statistics.median(vals) if m != "peak_rss_mib" else max(vals)
+            row["errors"] = sum(r.get("errors", 0) + r.get("ttft_errors", 0) for r in group)
+            rows.append(row)
+    direct = {r["case"]: r for r in rows if r["target"] == "direct"}
+    for row in rows:
+        base = direct.get(row["case"])
+        if base is None or row["target"] == "direct":
+            continue
+        for m in ("p50_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            if m in row and m in base:
+                row["added_" + m] = row[m] - base[m]
+    return rows
+
+
+def _fmt(v: float | None, nd: int = 2) -> str:
+    if v is None or math.isnan(v):
+        return "-"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.{nd}f}"
+
+
+def render_table(rows: list[dict]) -> str:
+    head = (
+        "| target | case | p50 ms | p99 ms | req/s | +p50 ms | TTFT p50 | TTFT p99 | +TTFT p50 | "
+        "+TTFT p99 | CPU us/req | peak RSS MiB | errors |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["target"],
+                    r["case"],
+                    _fmt(r.get("p50_ms")),
+                    _fmt(r.get("p99_ms")),
+                    _fmt(r.get("rps"), 0),
+                    _fmt(r.get("added_p50_ms")),
+                    _fmt(r.get("ttft_p50_ms")),
+                    _fmt(r.get("ttft_p99_ms")),
+                    _fmt(r.get("added_ttft_p50_ms")),
+                    _fmt(r.get("added_ttft_p99_ms")),
+                    _fmt(r.get("cpu_us_per_req"), 0),
+                    _fmt(r.get("peak_rss_mib"), 0),
+                    str(r.get("errors", 0)),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def machine_notes() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True, check=False).stdout.split(
+        "\n"
+    )[0]
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "gateway"], capture_output=True, text=True, check=False
+    )
+    return {
+        "gateway_commit": head.stdout.strip()
+        + (" + uncommitted gateway/ changes" if dirty.stdout.strip() else ""),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "wrk": wrk_version.strip(),
+        "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead",
+        description="Gateway overhead: direct to a fake engine vs through the gateway (and peers).",
+    )
+    ap.add_argument("--duration", type=float, default=3.0, help="seconds per wrk / TTFT run")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per (target, case); medians reported")
+    ap.add_argument("--cases", default=",".join(ALL_CASES), help=f"comma list of {ALL_CASES}")
+    ap.add_argument("--ttft-conc", default="1,64", help="concurrencies that also get a TTFT run")
+    ap.add_argument("--targets", default="direct,gateway", help="direct, gateway, naive, vllm-router-rr/-ca")
+    ap.add_argument("--peers", default="", help="add peers: naive, vllm-router (both policies)")
+    ap.add_argument("--gateway-cmd", default="", help="override; {config}, {port}, {python} are filled in")
+    ap.add_argument("--vllm-router-bin", default=_default_vllm_router_bin())
+    ap.add_argument(
+        "--port-base", type=int, default=24000, help="engines at +1, +2; routers at +100..+120 (+610, +611)"
+    )
+    ap.add_argument("--load-core", type=int, default=0)
+    ap.add_argument("--server-core", type=int, default=1)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    ap.add_argument("--ready-timeout", type=float, default=60.0)
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of discarded load per target")
+    ap.add_argument(
+        "--ttft-rate", type=float, default=0.0, help="TTFT client: offered req/s (0: closed loop)"
+    )
+    ap.add_argument("--py-spy", type=Path, help="profile targets during wrk runs; stacks go in this folder")
+    ap.add_argument("--py-spy-targets", default="gateway", help="comma list of targets to profile")
+    ap.add_argument("--json", type=Path, help="write every run and the summary here")
+    ap.add_argument("--write-bodies", type=Path, help="write small.json and large.json here and exit")
+    args = ap.parse_args(argv)
+    args.case_list = [Case.parse(c) for c in args.cases.split(",") if c]
+    args.ttft_conc = {int(c) for c in args.ttft_conc.split(",") if c}
+    args.py_spy_targets = {t for t in args.py_spy_targets.split(",") if t}
+    names = [t for t in args.targets.split(",") if t]
+    for peer in (p for p in args.peers.split(",") if p):
+        if peer not in PEERS:
+            ap.error(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+        names += PEERS[peer]
+    known = {"direct", *TARGET_OFFSETS}
+    for n in names:
+        if n not in known:
+            ap.error(f"unknown target {n!r}; known: {', '.join(sorted(known))}")
+    if "direct" not in names:
+        names.insert(0, "direct")
+    args.target_names = list(dict.fromkeys(names))
+    if (os.cpu_count() or 1) < 2 and not args.no_pin:
+        print("[overhead] fewer than 2 cores: not pinning", file=sys.stderr)
+        args.no_pin = True
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="agentgw-overhead-") as tmp:
+        workdir = Path(tmp)
+        body_dir = args.write_bodies or workdir
+        body_dir.mkdir(parents=True, exist_ok=True)
+        bodies = {"small": body_dir / "small.json", "large": body_dir / "large.json"}
+        bodies["small"].write_bytes(small_body())
+        bodies["large"].write_bytes(large_body())
+        if args.write_bodies:
+            print(f"wrote {bodies['small']} and {bodies['large']}")
+            return 0
+        if shutil.which("wrk") is None:
+            print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+            return 2
+        notes = machine_notes()
+        if not args.no_pin:
+            os.sched_setaffinity(0, {args.load_core})  # the TTFT client runs in this process
+        bench = Bench(args, workdir)
+        runs: list[dict] = []
+        try:
+            bench.start_engines()
+            for name in args.target_names:
+                bench.start_target(name)
+            load_core = None if args.no_pin else args.load_core
+            if args.warmup > 0:
+                for t in bench.targets:
+                    for size, conc in (("small", 16), ("large", 4)):
+                        run_wrk(t.url, bodies[size], conc, args.warmup, load_core)
+            targets = bench.targets
+            for rep in range(args.repeat):
+                order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                for case in args.case_list:
+                    for t in order:
+                        row = measure(bench, t, case, bodies, rep)
+                        row["repeat"] = rep
+                        runs.append(row)
+                        print(
+                            f"[overhead] rep {rep} {t.name:>15} {case.name:>10}: "
+                            f"p50 {row.get('p50_ms', nan):.2f} ms p99 {row.get('p99_ms', nan):.2f} ms "
+                            f"{row['rps']:,.0f} req/s"
+                            + (f", TTFT p50 {row['ttft_p50_ms']:.2f} ms" if "ttft_p50_ms" in row else ""),
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        finally:
+            bench.stop_all()
+        notes["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        rows = summarize(runs, [t.name for t in bench.targets], args.case_list)
+        print(render_table(rows))
+        for t in bench.targets:
+            peak = max((r["peak_rss_mib"] for r in runs if r["target"] == t.name), default=0.0)
+            print(f"peak RSS {t.name}: {peak:.0f} MiB")
+        if args.py_spy:
+            for path in sorted(args.py_spy.glob("*.txt")):
+                print(hot_spots(path))
+        for name, why in bench.skipped.items():
+            print(f"skipped {name}: {why}")
+        print(f"gateway at {notes['gateway_commit']}")
+        print(
+            f"machine: {notes['cpu']}, {notes['cores']} cores, load avg {' '.join(notes['loadavg_start'])} "
+            f"-> {' '.join(notes['loadavg_end'])}; {notes['wrk']}; duration {args.duration:g} s x "
+            f"{args.repeat} repeats; pinned: {'no' if args.no_pin else f'load core {args.load_core}, servers core {args.server_core}'}"
+        )
+        if args.json:
+            out = {
+                "command": " ".join(
+                    shlex.quote(a)
+                    for a in [sys.executable, "-m", "benchmarks.overhead", *(argv or sys.argv[1:])]
+                ),
+                "machine": notes,
+                "body_bytes": {k: p.stat().st_size for k, p in bodies.items()},
+                "summary": rows,
+                "runs": runs,
+                "skipped": bench.skipped,
+            }
+            args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

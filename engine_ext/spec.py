@@ -1,0 +1,126 @@
+"""`AgentOffloadingSpec`: vLLM's tiering offload spec, made to run on the CPU platform too.
+
+Loaded by vLLM's `OffloadingConnector` through `spec_name` + `spec_module_path`, so vLLM's
+scheduler-side logic (async lookups, chunk-level delta stores, in-flight dedup, fencing of
+reused blocks, `prompt_tokens_by_source` accounting) is reused unchanged. What this spec adds:
+
+- a worker for the CPU platform (`HostCopyWorker`), where vLLM's raises "CPU Offloading is
+  currently only supported on CUDA-alike and XPU GPUs"; on CUDA/XPU the parent's worker runs;
+- defaults that fit agentic sessions: generated tokens are offloaded too
+  (`offload_prompt_only=False`, store rule f) and the pin-aware cache policy is the default;
+- secondary tiers (e.g. `engine_ext.tiers.mooncake.MooncakeTier`) come from the standard
+  `secondary_tiers` list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from engine_ext.host_worker import HostCopyWorker
+from engine_ext.pinned_policy import PinnedLRUCachePolicy
+from engine_ext.tiers.object_tier import ObjectStoreTier
+
+__all__ = ["AgentOffloadingSpec"]
+
+_DEFAULTS: dict[str, Any] = {
+    "offload_prompt_only": False,
+    "eviction_policy": "PinnedLRUCachePolicy",
+    "cache_policy_module_path": "engine_ext.pinned_policy",
+}
+
+
+def _with_defaults(config: OffloadingConfig) -> OffloadingConfig:
+    extra = dict(_DEFAULTS)
+    extra.update(config.extra_config)
+    if (
+        extra.get("eviction_policy") in ("lru", "arc")
+        and "cache_policy_module_path" not in config.extra_config
+    ):
+        extra.pop("cache_policy_module_path")
+    # OffloadingConfig is frozen; rebuild it with the merged extra config.
+    from dataclasses import replace
+
+    return replace(config, extra_config=extra)
+
+
+class AgentOffloadingSpec(TieringOffloadingSpec):
+    """Tiering spec (host primary tier + secondary tiers) usable on CPU and CUDA."""
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(_with_defaults(config))
+
+    def get_manager(self) -> OffloadingManager:
+        first = self._manager is None
+        manager = super().get_manager()
+        if first and self.extra_config.get("control_port") is not None:
+            self._start_control_server(manager)
+        return manager
+
+    def _start_control_server(self, manager: OffloadingManager) -> None:
+        from engine_ext.control import ControlServer, ControlService
+
+        assert isinstance(manager, TieringOffloadingManager)
+        policy = manager.primary_tier._policy
+        if not isinstance(policy, PinnedLRUCachePolicy):
+            raise ValueError("the control API needs eviction_policy=PinnedLRUCachePolicy")
+        tiers = manager.secondary_tiers
+        capacity = self.num_chunks
+
+        def stats() -> dict[str, Any]:
+            return {
+                "host": {
+                    "chunks_used": len(policy.chunks),
+                    "chunks_capacity": capacity,
+                    "bytes_per_chunk": self.kv_bytes_per_chunk,
+                    "pinned_sessions": len(policy.pins),
+                    "evictions_refused_for_pins": policy.num_pin_protected_evictions_refused,
+                },
+                "tiers": {
+                    t.tier_type: t.counters.snapshot() for t in tiers if isinstance(t, ObjectStoreTier)
+                },
+            }
+
+        server = ControlServer(
+            ControlService(policy, stats, engine_url=self.extra_config.get("engine_url")),
+            host=str(self.extra_config.get("control_host", "127.0.0.1")),
+            port=int(self.extra_config["control_port"]),
+            token=str(self.extra_config.get("control_token", "")),
+            max_inflight=int(self.extra_config.get("control_max_inflight", 8)),
+        )
+        server.start()
+        self._control_server = server
+
+    def _device_is_host(self) -> bool:
+        return not (current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if not self._device_is_host():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self.create_worker(kv_caches)  # type: ignore[assignment]
+        assert self._worker is not None
+        return self._worker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches):  # type: ignore[override]
+        if not self._device_is_host():
+            return super().create_worker(kv_caches)
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return HostCopyWorker(kv_caches, self.blocks_per_chunk, region)
+        except Exception:
+            region.cleanup()
+            raise

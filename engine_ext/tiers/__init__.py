@@ -1,0 +1,1 @@
+"""Secondary offload tiers behind one protocol (`engine_ext.tiers.store.ObjectStore`)."""

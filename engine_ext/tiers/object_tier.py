@@ -1,0 +1,418 @@
+"""`ObjectStoreTier`: a vLLM secondary offload tier over any `ObjectStore` (Mooncake in production).
+
+Runs in the scheduler process next to vLLM's host (primary) tier and moves whole host chunks:
+store = host chunk -> object, load (promotion) = object -> host chunk. Every method the
+scheduler calls is non-blocking; I/O runs on a small thread pool.
+
+Store rules it implements (the others live in vLLM's scheduler, see docs/engine_ext.md):
+  (a) a key already being stored (by any request) or known present is not stored again:
+      `duplicate_stores_skipped` counts them;
+  (d) lookups are answered asynchronously: vLLM's `AsyncLookupManager` batches one
+      `batch_exists` per step on a background thread; the scheduler gets RETRY meanwhile;
+  (e) keys are the 36-byte `OffloadKey`s; their Mooncake strings are built once and cached
+      (bounded); loads are split into `load_parallelism` concurrent `batch_get_into` calls;
+  integrity: each object has a CRC32 sidecar; a missing object, a short read or a checksum
+      mismatch fails the promotion from that block on, which marks the key a miss so vLLM
+      recomputes (never a wrong answer).
+
+Retention (`retention` in the tier config, see engine_ext.retention): which offered chunks are
+kept; "interval" (default) keeps every turn's delta, "selective" (Marconi-style) keeps a chunk
+once its prefix was seen a second time. Rejected chunks count as `retention_skipped`.
+
+Parameters (tier config): `key_namespace` (default "agentgw"), `io_threads` (4),
+`load_parallelism` (4), `verify_checksum` (true), `max_key_cache` (65536), `retention`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import (
+    JobId,
+    JobResult,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+from engine_ext.retention import make_retention, offers
+from engine_ext.tiers.store import ObjectStore
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+__all__ = ["ObjectStoreTier", "TierCounters"]
+
+M_STORED_BYTES = "vllm:agentgw_tier_stored_bytes"
+M_LOADED_BYTES = "vllm:agentgw_tier_loaded_bytes"
+M_HITS = "vllm:agentgw_tier_lookup_hits"
+M_DUP_SKIPPED = "vllm:agentgw_tier_duplicate_stores_skipped"
+M_LOAD_FAILURES = "vllm:agentgw_tier_load_failures"
+M_STORE_LATENCY = "vllm:agentgw_tier_store_latency_seconds"
+M_LOAD_LATENCY = "vllm:agentgw_tier_load_latency_seconds"
+_LAT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+class TierCounters:
+    """Cumulative counters, readable from the control server thread (ints under the GIL)."""
+
+    def __init__(self) -> None:
+        self.stored_bytes = 0
+        self.stored_chunks = 0
+        self.loaded_bytes = 0
+        self.loaded_chunks = 0
+        self.lookup_hits = 0
+        self.lookup_misses = 0
+        self.duplicate_stores_skipped = 0
+        self.load_failures = 0
+        self.retention_skipped = 0
+        self.store_seconds = 0.0
+        self.load_seconds = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+class _ExistsLookup(AsyncLookupManager):
+    def __init__(self, tier: ObjectStoreTier, tier_type: str):
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.store.batch_exists([self._tier.key_name(k) for k in keys])
+
+
+class ObjectStoreTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        store: ObjectStore,
+        key_namespace: str = "agentgw",
+        io_threads: int = 4,
+        load_parallelism: int = 4,
+        verify_checksum: bool = True,
+        max_key_cache: int = 65536,
+        retention: dict[str, Any] | None = None,
+        enable_kv_events: bool = True,
+        locality: str | None = "REMOTE",
+        backpressure_detector: BackpressureDetector | None = None,
+    ):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self.store = store
+        self.counters = TierCounters()
+        self.retention = make_retention(retention)
+        self._verify = verify_checksum
+        self._load_parallelism = max(1, load_parallelism)
+        primary = np.asarray(primary_kv_view)
+        self._primary = primary
+        self._base_ptr = int(primary.ctypes.data)
+        self.store.register_buffer(self._base_ptr, int(primary.nbytes))
+        self._mapper = FileMapper.from_offloading_spec(
+            root_dir=key_namespace,
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        )
+        self._key_names: OrderedDict[OffloadKey, str] = OrderedDict()
+        self._max_key_cache = max_key_cache
+        self._known_present: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._storing: dict[OffloadKey, JobId] = {}
+        self._overwrite: set[OffloadKey] = set()  # keys whose stored object failed a load
+        self._store_keys: dict[JobId, list[OffloadKey]] = {}
+        self._load_keys: dict[JobId, list[OffloadKey]] = {}
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._stats: OffloadingConnectorStats | None = None
+        self._stats_lock = threading.Lock()
+        self._events: list[OffloadingEvent] | None = (
+            [] if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events else None
+        )
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(io_threads, load_parallelism), thread_name_prefix="agentgw_tier"
+        )
+        self._inflight = 0
+        self._inflight_cv = threading.Condition()
+        self._lookup = _ExistsLookup(self, tier_type)
+
+    # ----- keys -----------------------------------------------------------------------
+    def key_name(self, key: OffloadKey) -> str:
+        name = self._key_names.get(key)
+        if name is None:
+            name = self._mapper.get_file_name(key)
+            self._key_names[key] = name
+            if len(self._key_names) > self._max_key_cache:
+                self._key_names.popitem(last=False)
+        return name
+
+    def _remember_present(self, keys: Iterable[OffloadKey]) -> None:
+        for k in keys:
+            self._known_present[k] = None
+            self._known_present.move_to_end(k)
+        while len(self._known_present) > self._max_key_cache:
+            self._known_present.popitem(last=False)
+
+    # ----- scheduler-side API ---------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        result = self._lookup.lookup(key, req_context)
+        if result is None:
+            return LookupResult.RETRY
+        self.retention.observe_lookup(key)  # once per request: the resolved answer
+        if result:
+            self.counters.lookup_hits += 1
+            self._count(M_HITS, 1)
+            return LookupResult.HIT
+        self.counters.lookup_misses += 1
+        return LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        job_id = job_metadata.job_id
+        keys, chunk_ids = [], []
+        offered = list(job_metadata.keys)
+        kept = set(self.retention.select(offers(offered, get_offload_group_idx)))
+        for key, cid in zip(offered, job_metadata.chunk_ids, strict=True):
+            if key not in kept:
+                self.counters.retention_skipped += 1
+                continue
+            if key in self._storing or key in self._known_present:
+                self.counters.duplicate_stores_skipped += 1
+                self._count(M_DUP_SKIPPED, 1)
+                continue
+            self._storing[key] = job_id
+            keys.append(key)
+            chunk_ids.append(int(cid))
+        self._store_keys[job_id] = keys
+        names = [self.key_name(k) for k in keys]
+        overwrite = [k in self._overwrite for k in keys]
+        self._overwrite.difference_update(keys)
+        self._submit(self._run_store, job_id, names, chunk_ids, overwrite)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._load_keys[job_metadata.job_id] = keys
+        names = [self.key_name(k) for k in keys]
+        self._submit(self._run_load, job_metadata.job_id, names, [int(c) for c in job_metadata.chunk_ids])
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        while True:
+            try:
+                result = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            store_keys = self._store_keys.pop(result.job_id, None)
+            if store_keys is not None:
+                for k in store_keys:
+                    self._storing.pop(k, None)
+                if result.success:
+                    self._remember_present(store_keys)
+                    if self._events is not None and store_keys:
+                        self._events.append(
+                            OffloadingEvent(
+                                keys=store_keys, medium=self.medium, removed=False, locality=self.locality
+                            )
+                        )
+            load_keys = self._load_keys.pop(result.job_id, None)
+            if load_keys is not None and not result.success:
+                ok = set(result.successful_keys or ())
+                failed = [k for k in load_keys if k not in ok]
+                self._lookup.mark_miss(failed)
+                for k in failed:  # the next store of these keys overwrites the bad object
+                    self._known_present.pop(k, None)
+                    self._overwrite.add(k)
+                    if len(self._overwrite) > self._max_key_cache:
+                        self._overwrite.pop()
+            results.append(result)
+        return results
+
+    def has_pending_work(self) -> bool:
+        return self._inflight > 0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup.flush()
+
+    def drain_jobs(self) -> None:
+        with self._inflight_cv:
+            self._inflight_cv.wait_for(lambda: self._inflight == 0)
+
+    def shutdown(self) -> None:
+        self._lookup.shutdown()
+        self._pool.shutdown(wait=True)
+        self.store.close()
+
+    # ----- metrics --------------------------------------------------------------------
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            M_STORED_BYTES: OffloadingCounterMetadata("Bytes stored into the object (Mooncake) tier."),
+            M_LOADED_BYTES: OffloadingCounterMetadata(
+                "Bytes loaded from the object tier into the host tier."
+            ),
+            M_HITS: OffloadingCounterMetadata("Chunk lookups answered as present by the object tier."),
+            M_DUP_SKIPPED: OffloadingCounterMetadata(
+                "Chunk stores skipped: an identical store was in flight or the chunk was already stored."
+            ),
+            M_LOAD_FAILURES: OffloadingCounterMetadata(
+                "Chunk loads that failed (missing/corrupt): recomputed."
+            ),
+            M_STORE_LATENCY: OffloadingHistogramMetadata(
+                "Object tier store job latency.", buckets=_LAT_BUCKETS
+            ),
+            M_LOAD_LATENCY: OffloadingHistogramMetadata(
+                "Object tier load job latency.", buckets=_LAT_BUCKETS
+            ),
+        }
+
+    def _stats_obj(self) -> OffloadingConnectorStats:
+        if self._stats is None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+                OffloadingConnectorStats,
+            )
+
+            self._stats = OffloadingConnectorStats()
+        return self._stats
+
+    def _count(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            self._stats_obj().increase_counter(name, value)
+
+    def _observe(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            self._stats_obj().observe_histogram(name, value)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        with self._stats_lock:
+            stats, self._stats = self._stats, None
+        return stats
+
+    # ----- I/O (pool threads) ---------------------------------------------------------
+    def _submit(self, fn: Any, job_id: JobId, *args: Any) -> None:
+        with self._inflight_cv:
+            self._inflight += 1
+        self._pool.submit(self._guarded, fn, job_id, *args)
+
+    def _guarded(self, fn: Any, job_id: JobId, *args: Any) -> None:
+        start = time.perf_counter()
+        try:
+            result = fn(job_id, *args, start=start)
+        except Exception:  # an I/O error fails the job; the scheduler recomputes
+            result = JobResult(job_id=job_id, success=False, transfer_time=time.perf_counter() - start)
+        self._finished.put(result)
+        with self._inflight_cv:
+            self._inflight -= 1
+            self._inflight_cv.notify_all()
+
+    def _ptr(self, chunk_id: int) -> int:
+        return self._base_ptr + chunk_id * self.block_size_bytes
+
+    def _run_store(
+        self, job_id: JobId, names: list[str], chunk_ids: list[int], overwrite: list[bool], *, start: float
+    ) -> JobResult:
+        if not names:
+            return JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0)
+        size = self.block_size_bytes
+        if self._verify:
+            crcs = [zlib.crc32(self._primary[c]).to_bytes(4, "big") for c in chunk_ids]
+            self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+        ptrs = [self._ptr(c) for c in chunk_ids]
+        rcs = [0] * len(names)
+        for upsert in (False, True):
+            idx = [i for i, o in enumerate(overwrite) if o == upsert]
+            if idx:
+                put = self.store.batch_upsert_from if upsert else self.store.batch_put_from
+                for i, rc in zip(
+                    idx, put([names[i] for i in idx], [ptrs[i] for i in idx], [size] * len(idx)), strict=True
+                ):
+                    rcs[i] = rc
+        ok = all(rc >= 0 for rc in rcs)
+        elapsed = time.perf_counter() - start
+        nbytes = size * sum(1 for rc in rcs if rc >= 0)
+        self.counters.stored_bytes += nbytes
+        self.counters.stored_chunks += len(names)
+        self.counters.store_seconds += elapsed
+        self._count(M_STORED_BYTES, nbytes)
+        self._observe(M_STORE_LATENCY, elapsed)
+        return JobResult(job_id=job_id, success=ok, transfer_time=elapsed, transfer_bytes=nbytes)
+
+    def _load_slice(self, names: list[str], chunk_ids: list[int]) -> list[bool]:
+        size = self.block_size_bytes
+        rcs = self.store.batch_get_into(names, [self._ptr(c) for c in chunk_ids], [size] * len(names))
+        good = [rc == size for rc in rcs]
+        if self._verify:
+            crcs = self.store.batch_get_bytes([n + ".crc" for n in names])
+            for i, c in enumerate(chunk_ids):
+                if good[i]:
+                    good[i] = len(crcs[i]) == 4 and zlib.crc32(self._primary[c]) == int.from_bytes(
+                        crcs[i], "big"
+                    )
+        return good
+
+    def _run_load(self, job_id: JobId, names: list[str], chunk_ids: list[int], *, start: float) -> JobResult:
+        n = len(names)
+        step = max(1, -(-n // self._load_parallelism))
+        slices = [(names[i : i + step], chunk_ids[i : i + step]) for i in range(0, n, step)]
+        if len(slices) > 1:
+            with ThreadPoolExecutor(max_workers=len(slices)) as fan_out:
+                parts = list(fan_out.map(lambda s: self._load_slice(*s), slices))
+        else:
+            parts = [self._load_slice(*s) for s in slices]
+        good = [g for part in parts for g in part]
+        first_bad = good.index(False) if False in good else n
+        elapsed = time.perf_counter() - start
+        nbytes = first_bad * self.block_size_bytes
+        self.counters.loaded_bytes += nbytes
+        self.counters.loaded_chunks += first_bad
+        self.counters.load_seconds += elapsed
+        self._count(M_LOADED_BYTES, nbytes)
+        self._observe(M_LOAD_LATENCY, elapsed)
+        if first_bad == n:
+            return JobResult(job_id=job_id, success=True, transfer_time=elapsed, transfer_bytes=nbytes)
+        self.counters.load_failures += n - first_bad
+        self._count(M_LOAD_FAILURES, n - first_bad)
+        keys = self._load_keys.get(job_id, [])
+        return JobResult(
+            job_id=job_id,
+            success=False,
+            successful_keys=tuple(keys[:first_bad]) or None,
+            transfer_time=elapsed,
+            transfer_bytes=nbytes,
+        )

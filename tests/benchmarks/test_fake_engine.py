@@ -1,0 +1,79 @@
+"""The benchmark stand-in engine answers like a vLLM OpenAI server, as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks._common import free_port, wait_http_ok
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", "m"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + "/health", 10, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def _events(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_streamed_chat_has_16_chunks_usage_and_done(engine_url: str) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    with httpx.Client() as client, client.stream("POST", engine_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        events = _events(r.read().decode())
+    assert time.perf_counter() - t0 < 5
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 17
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[15]["choices"][0]["finish_reason"] == "length"
+    assert chunks[16]["choices"] == []
+    assert chunks[16]["usage"]["completion_tokens"] == 16
+
+
+def test_non_streamed_completion_is_one_json_body(engine_url: str) -> None:
+    with httpx.Client() as client:
+        r = client.post(engine_url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200
+        out = r.json()
+        assert out["object"] == "text_completion"
+        assert out["choices"][0]["text"] == " word0 word1 word2 word3"
+        assert out["usage"]["completion_tokens"] == 4
+        # keep-alive: a second request on the same connection, then the side endpoints
+        assert client.get(engine_url + "/v1/models").json()["data"][0]["id"] == "m"
+        assert 'vllm:num_requests_running{model_name="m"}' in client.get(engine_url + "/metrics").text
+        wrong = client.post(engine_url + "/v1/completions", json={"model": "other", "prompt": "hi"})
+        assert wrong.status_code == 404
+        assert wrong.json()["error"]["param"] == "model"

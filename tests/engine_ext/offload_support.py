@@ -1,0 +1,84 @@
+"""Constants and handles shared by the engine_ext fixtures and tests."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.local.engines import LocalEngine
+from gateway.local.tiny_model import VOCAB_SIZE
+
+HOST_CHUNKS = 96
+BLOCK_BYTES = 65536  # tiny Llama: 2 layers x 2 KV heads x 128 tokens x (K+V) x 32 dims x bf16
+CONTROL_TOKEN = "test-token"
+# arch -> (device blocks, prompt tokens, prompts that evict a session from the device cache)
+HYBRIDS = {"gemma3": (256, 1400, 30), "qwen3_next": (64, 2400, 10)}
+
+
+@dataclass(frozen=True)
+class Mooncake:
+    master_address: str
+    metadata_server: str
+    rpc_port: int
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    url: str
+    control_url: str
+    local: LocalEngine
+    kv_events: str | None = None
+
+
+BLOCK = 128
+AUTH = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([-+0-9.e]+)$")
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(16, VOCAB_SIZE - 16) for _ in range(n)]
+
+
+def complete(
+    engine: Engine, prompt: list[int], max_tokens: int = 40, **kv: Any
+) -> tuple[list[int], list[float]]:
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": 1,
+    }
+    if kv.pop("reference", False):
+        body["prompt_logprobs"] = 1  # vLLM then skips every prefix cache: a full recompute
+    if kv:
+        body["kv_transfer_params"] = kv
+    r = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def metrics(engine: Engine) -> dict[str, float]:
+    """Counters summed over labels, except prompt_tokens_by_source which keeps its source."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:prompt_tokens_by_source_total":
+            name = "source:" + re.search(r'source="([a-z_]+)"', labels).group(1)  # type: ignore[union-attr]
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)

@@ -1,0 +1,302 @@
+"""The local engine launcher: command line and environment, process-group lifecycle (with stand-in
+processes, fast), and one real vLLM engine on the tiny Llama (slow, marked `engine`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.local import engines
+from gateway.local.engines import (
+    HASH_SEED,
+    EngineError,
+    EngineSpec,
+    LocalEngine,
+    engine_command,
+    engine_env,
+    free_ports,
+    start_engines,
+)
+from gateway.local.tiny_model import SERVED_MODEL_NAMES, build_tiny_model
+
+PORTS = range(20000, 21000)
+
+
+def spec(tmp_path: Path, name: str = "e0", **kw: Any) -> EngineSpec:
+    port, kv_port = free_ports(2, PORTS)
+    fields: dict[str, Any] = {
+        "name": name,
+        "model_dir": tmp_path / "model",
+        "served_model_name": "tiny-llama",
+        "port": port,
+        "kv_events_port": kv_port,
+        "log_path": tmp_path / f"{name}.log",
+    }
+    return EngineSpec(**(fields | kw))
+
+
+def group_pids(pgid: int) -> set[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+# --- command line and environment -------------------------------------------------------------
+
+
+def test_command_enables_prefix_caching_cbor_hashes_and_kv_events(tmp_path: Path) -> None:
+    s = spec(tmp_path, max_model_len=4096, num_gpu_blocks_override=40, extra_args=("--seed", "1"))
+    cmd = engine_command(s)
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for flag in (
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo sha256_cbor",
+        "--enable-prompt-tokens-details",
+        "--max-model-len 4096",
+        "--num-gpu-blocks-override 40",
+        f"--port {s.port}",
+        "--host 127.0.0.1",
+    ):
+        assert flag in joined
+    kv = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert kv == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{s.kv_events_port}",
+        "topic": "kv-events",
+    }
+    assert cmd[-2:] == ["--seed", "1"]
+    assert s.kv_events_endpoint == f"tcp://127.0.0.1:{s.kv_events_port}"
+
+
+def test_command_without_kv_events_port_publishes_none(tmp_path: Path) -> None:
+    s = spec(tmp_path, kv_events_port=None)
+    assert "--kv-events-config" not in engine_command(s)
+    assert s.kv_events_endpoint is None
+
+
+def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
+    env = engine_env(
+        spec(tmp_path, kv_cache_gib=2, extra_env={"OMP_NUM_THREADS": "2"}), base={"PATH": "/bin"}
+    )
+    assert env["PYTHONHASHSEED"] == HASH_SEED
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == "2"  # extra_env wins
+    assert env["PATH"] == "/bin"
+    assert "VLLM_CACHE_ROOT" in env
+
+
+def test_free_ports_are_distinct_and_in_range() -> None:
+    ports = free_ports(20, PORTS)
+    assert len(set(ports)) == 20
+    assert all(p in PORTS for p in ports)
+
+
+# --- lifecycle, with stand-in processes ---------------------------------------------------------
+
+# A leader that starts a child, both ignoring SIGTERM, like an engine that hangs on shutdown.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
+print("child", child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def stand_in(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    monkeypatch.setattr(engines, "engine_command", lambda spec: [sys.executable, "-c", code])
+
+
+def test_wait_ready_reports_an_engine_that_dies_with_its_log_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in(monkeypatch, "print('model folder is missing'); raise SystemExit(3)")
+    engine = LocalEngine(spec(tmp_path))
+    engine.start()
+    with pytest.raises(EngineError, match=r"exited with code 3(.|\n)*model folder is missing"):
+        engine.wait_ready(timeout_s=30)
+    engine.stop()
+
+
+def test_wait_ready_times_out_with_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in(monkeypatch, "import time; print('loading', flush=True); time.sleep(300)")
+    engine = LocalEngine(spec(tmp_path))
+    engine.start()
+    try:
+        with pytest.raises(EngineError, match=r"not ready after 1 s(.|\n)*loading"):
+            engine.wait_ready(timeout_s=1)
+    finally:
+        engine.stop()
+    assert not engine.running
+
+
+def test_stop_kills_a_group_that_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in(monkeypatch, STUBBORN)
+    s = spec(tmp_path)
+    engine = LocalEngine(s)
+    engine.start()
+    assert engine.pid is not None
+    deadline = time.monotonic() + 30
+    while "child" not in s.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(s.log_path.read_text().split()[1])
+    assert group_pids(engine.pid) == {engine.pid, child}
+
+    started = time.monotonic()
+    engine.stop(grace_s=0.5)
+    assert time.monotonic() - started < 5
+    assert not alive(engine.pid) and not alive(child)
+    assert group_pids(engine.pid) == set()
+
+
+def test_kill_ends_the_group_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in(monkeypatch, STUBBORN)
+    engine = LocalEngine(spec(tmp_path))
+    engine.start()
+    assert engine.pid is not None
+    engine.kill()
+    assert group_pids(engine.pid) == set()
+    engine.stop()  # stopping a killed engine is harmless
+
+
+def test_start_engines_stops_all_when_one_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        engines,
+        "engine_command",
+        lambda s: [
+            sys.executable,
+            "-c",
+            "raise SystemExit(1)" if s.name == "bad" else "import time; time.sleep(300)",
+        ],
+    )
+    started: list[LocalEngine] = []
+    real_start = LocalEngine.start
+
+    def record(self: LocalEngine) -> None:
+        real_start(self)
+        started.append(self)
+
+    monkeypatch.setattr(LocalEngine, "start", record)
+    with pytest.raises(EngineError, match="bad exited with code 1"):
+        start_engines([spec(tmp_path, "good"), spec(tmp_path, "bad")], timeout_s=30)
+    assert [e.spec.name for e in started] == ["good", "bad"]
+    for e in started:
+        assert e.pid is not None and group_pids(e.pid) == set()
+
+
+# --- one real engine ----------------------------------------------------------------------------
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        result: dict[str, Any] = json.load(response)
+        return result
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.engine
+def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stops_clean(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import msgpack
+    import zmq
+    from transformers import AutoTokenizer
+
+    model = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama")
+    logs = tmp_path_factory.mktemp("logs")
+    s = spec(
+        logs, "llama", model_dir=model, served_model_name=SERVED_MODEL_NAMES["llama"], max_model_len=8192
+    )
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    engine = LocalEngine(s)
+    engine.start()
+    assert engine.pid is not None
+    try:
+        engine.wait_ready(timeout_s=300)
+        members = group_pids(engine.pid)
+        assert len(members) >= 3  # API server, EngineCore, worker
+
+        assert s.kv_events_endpoint is not None
+        subscriber.connect(s.kv_events_endpoint)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        time.sleep(1.0)  # PUB/SUB drops what is published before the subscription lands
+
+        messages = [
+            {"role": "system", "content": "You keep a ledger of passing ships. " * 40},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Which ships"}, {"type": "text", "text": "waved?"}],
+            },
+        ]
+        body = {"model": "tiny-llama", "messages": messages, "max_tokens": 4, "return_token_ids": True}
+        first = post(engine.url + "/v1/chat/completions", body)
+        second = post(engine.url + "/v1/chat/completions", body)
+
+        # vLLM renders and tokenizes exactly as the gateway will, list content included.
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert first["prompt_token_ids"] == tokenizer.encode(text, add_special_tokens=False)
+        assert first["usage"]["completion_tokens"] == 4
+
+        prompt_tokens = first["usage"]["prompt_tokens"]
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (prompt_tokens - 1) // 128 * 128 > 0
+        assert metric(engine.url, "vllm:prefix_cache_hits_total") == cached
+
+        assert subscriber.poll(timeout=10_000), "no KV event within 10 s"
+        topic, seq, payload = subscriber.recv_multipart()
+        assert topic == b"kv-events" and len(seq) == 8
+        _ts, events, *_ = msgpack.unpackb(payload)
+        kinds = {event["type"] if isinstance(event, dict) else event[0] for event in events}
+        assert "BlockStored" in kinds, events
+    finally:
+        subscriber.close(linger=0)
+        context.term()
+        engine.stop()
+
+    assert not alive(engine.pid)
+    assert group_pids(engine.pid) == set()
+    assert not any(alive(pid) for pid in members)
+
+
+def test_stop_before_start_is_a_no_op(tmp_path: Path) -> None:
+    LocalEngine(spec(tmp_path)).stop()
