@@ -1,0 +1,97 @@
+"""`agentgw serve` with no config: builds the tiny model, starts local engines, serves, and on
+SIGTERM stops everything it started. An invalid config fails with one message naming the key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.local.engines import free_ports
+
+pytestmark = pytest.mark.engine
+
+
+def descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    live = set()
+    for p in pids:
+        try:
+            os.kill(p, 0)
+            live.add(p)
+        except ProcessLookupError:
+            pass
+    return live
+
+
+def test_embedded_default_serves_and_sigterm_leaves_no_orphans(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    env = {**os.environ, "AGENTGW_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--first-turn", "0", "--warm", "1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+        started = descendants(proc.pid)
+        assert started, "the engines should be children of the gateway process"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 15
+        while alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(started) == set()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_invalid_config_fails_at_start_naming_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(
+        "pools:\n  - name: p\n    role: boss\n    engines: [{name: e, url: 'http://x:1', model: m}]\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "invalid config key 'pools.0.role'" in r.stderr
