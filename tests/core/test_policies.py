@@ -1,0 +1,239 @@
+"""Table-driven tests of every filter, scorer and picker, and of the router's profiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
+from gateway.core.policies.scorers import (
+    KvUsageScorer,
+    ParentPrefixScorer,
+    PrefixScorer,
+    QueueScorer,
+    SessionAffinityScorer,
+    SpreadScorer,
+)
+from gateway.core.router import NoEngine, Router, RoutingParams
+from gateway.core.types import EngineView, PoolRole, PrefixMatch, RouteRequest, SessionView, Snapshot
+
+M = frozenset({"m"})
+
+
+def eng(name: str, pool: str = "warm", role: PoolRole = PoolRole.WARM, **kw: object) -> EngineView:
+    return EngineView(name=name, pool=pool, role=role, models=M, **kw)  # type: ignore[arg-type]
+
+
+F0 = eng("f0", "first", PoolRole.FIRST_TURN)
+W0, W1, W2 = eng("w0"), eng("w1"), eng("w2")
+
+
+def req(tokens: int = 1024, **kw: object) -> RouteRequest:
+    return RouteRequest(model="m", prompt_tokens=tokens, block_size=128, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("filt", "engines", "request_", "matches", "expected"),
+    [
+        (Healthy(), [W0, eng("w1", healthy=False)], req(), {}, ["w0"]),
+        (
+            ServesModel(),
+            [W0, EngineView("x", "warm", PoolRole.WARM, frozenset({"other"}))],
+            req(),
+            {},
+            ["w0"],
+        ),
+        # 4096 uncached tokens >= threshold 1000: first-turn pool
+        (PoolByUncached(1000), [F0, W0], req(4096), {}, ["f0"]),
+        # cached on w0 except 128 tokens: warm pool
+        (PoolByUncached(1000), [F0, W0], req(4096), {"w0": PrefixMatch(31, 31, 31)}, ["w0"]),
+        # a new session whose prefix is cached on the first-turn engine is still warm
+        (PoolByUncached(1000), [F0, W0], req(4096), {"f0": PrefixMatch(31, 31, 31)}, ["w0"]),
+        # no engine of the wanted role: keep all
+        (PoolByUncached(1000), [W0], req(4096), {}, ["w0"]),
+        (PoolByUncached(1000), [F0, W0, eng("a", "any", PoolRole.ANY)], req(10), {}, ["w0", "a"]),
+        (Saturation(4), [eng("w0", running=9), W1], req(), {}, ["w1"]),
+        (Saturation(4), [eng("w0", running=9)], req(), {}, ["w0"]),
+    ],
+)
+def test_filters(filt, engines, request_, matches, expected) -> None:  # type: ignore[no-untyped-def]
+    snap = Snapshot(engines=tuple(engines), matches=matches)
+    assert [e.name for e in filt.filter(request_, snap, engines)] == expected
+
+
+SESSION = SessionView("s", home="w1", pool="warm", turns=3, context_tokens=4000, parent_home="w2")
+
+
+@pytest.mark.parametrize(
+    ("scorer", "engines", "request_", "snap_kw", "expected"),
+    [
+        (PrefixScorer(), [W0, W1], req(1024), {"matches": {"w0": PrefixMatch(8, 8, 8.0)}}, [1.0, 0.0]),
+        (PrefixScorer(), [W0], req(1024), {"matches": {"w0": PrefixMatch(8, 4, 6.4)}}, [0.8]),
+        (PrefixScorer(), [W0], req(100), {}, [0.0]),
+        (
+            QueueScorer(),
+            [eng("w0", running=2), eng("w1", running=6), eng("w2", inflight=4)],
+            req(),
+            {},
+            [1.0, 0.0, 0.5],
+        ),
+        (QueueScorer(), [W0, W1], req(), {}, [1.0, 1.0]),
+        (KvUsageScorer(), [eng("w0", kv_usage=0.25)], req(), {}, [0.75]),
+        (SessionAffinityScorer(), [W0, W1], req(), {"session": SESSION}, [0.0, 1.0]),
+        (SessionAffinityScorer(), [W0, W1], req(), {}, [0.0, 0.0]),
+        (ParentPrefixScorer(), [W0, W2], req(is_subagent=True), {"session": SESSION}, [0.0, 1.0]),
+        (
+            ParentPrefixScorer(),
+            [W0, W2],
+            req(1024, is_subagent=True),
+            {"session": SESSION, "parent_matches": {"w0": PrefixMatch(4, 4, 4.0)}},
+            [0.5, 1.0],
+        ),
+        (ParentPrefixScorer(), [W0, W2], req(), {"session": SESSION}, [0.0, 0.0]),
+        (SpreadScorer(), [W0, W1], req(), {"siblings": {"w0": 3}}, [0.25, 1.0]),
+    ],
+)
+def test_scorers(scorer, engines, request_, snap_kw, expected) -> None:  # type: ignore[no-untyped-def]
+    snap = Snapshot(engines=tuple(engines), **snap_kw)
+    assert list(scorer.score(request_, snap, engines)) == pytest.approx(expected)
+
+
+def route(profile: str, engines: list[EngineView], r: RouteRequest, **snap_kw: object) -> tuple[str, str]:
+    d = Router(RoutingParams(profile=profile, first_turn_threshold_tokens=2048)).route(
+        r,
+        Snapshot(engines=tuple(engines), **snap_kw),  # type: ignore[arg-type]
+    )
+    return d.engine, d.reason
+
+
+def test_agentic_sticks_to_home_under_bounded_load() -> None:
+    hot_home = eng("w1", running=12)
+    assert route("agentic", [W0, hot_home], req(4096, session_id="s"), session=SESSION) == ("w1", "sticky")
+
+
+def test_agentic_leaves_overloaded_home_only_when_cheaper() -> None:
+    hot = eng("w1", running=40)
+    # home holds the whole prefix; w0 holds nothing: recomputing 40K tokens (0.8 s) beats 40 x 50 ms
+    m = {"w1": PrefixMatch(300, 300, 300.0)}
+    assert route("agentic", [W0, hot], req(40_000, session_id="s"), session=SESSION, matches=m) == (
+        "w0",
+        "sticky_overflow",
+    )
+    # past the saturation bound the home is filtered out: rehome
+    saturated = eng("w1", running=200)
+    assert route("agentic", [W0, saturated], req(40_000, session_id="s"), session=SESSION, matches=m) == (
+        "w0",
+        "rehome",
+    )
+    # with a cheap alternative queue but a huge recompute, stay home
+    busy = eng("w1", running=20)
+    assert (
+        route(
+            "agentic",
+            [W0, busy],
+            req(400_000, session_id="s"),
+            session=SESSION,
+            matches={"w1": PrefixMatch(3000, 3000, 3000.0)},
+        )[0]
+        == "w1"
+    )
+
+
+def test_agentic_first_turn_goes_to_first_turn_pool() -> None:
+    assert route("agentic", [F0, W0, W1], req(8000, session_id="new")) == ("f0", "new_session")
+
+
+def test_agentic_warm_turn_of_new_session_with_cached_prefix_goes_warm() -> None:
+    m = {"w0": PrefixMatch(60, 60, 60.0)}
+    assert route("agentic", [F0, W0, W1], req(8000, session_id="new"), matches=m) == ("w0", "new_session")
+
+
+def test_agentic_subagent_lands_by_parent_prefix() -> None:
+    s = SessionView("child", home=None, pool=None, turns=0, context_tokens=0, parent_home="w2")
+    r = req(1024, session_id="child", parent_session_id="p", is_subagent=True)
+    assert route("agentic", [W0, W1, W2], r, session=s, parent_matches={"w2": PrefixMatch(8, 8, 8.0)}) == (
+        "w2",
+        "subagent_parent",
+    )
+
+
+def test_agentic_fan_out_spreads_when_parent_engine_is_busy_with_siblings() -> None:
+    s = SessionView("c4", home=None, pool=None, turns=0, context_tokens=0, parent_home="w0")
+    r = req(1024, session_id="c4", parent_session_id="p", is_subagent=True, fan_out=4)
+    pm = {"w0": PrefixMatch(8, 8, 8.0), "w1": PrefixMatch(8, 8, 8.0)}
+    engine, _ = route("agentic", [W0, W1, W2], r, session=s, parent_matches=pm, siblings={"w0": 3})
+    assert engine == "w1"
+
+
+def test_round_robin_cycles_and_hash_is_stable() -> None:
+    got = [route("round_robin", [W0, W1, W2], req(seq=i))[0] for i in range(6)]
+    assert got == ["w0", "w1", "w2", "w0", "w1", "w2"]
+    a = route("session_hash", [W0, W1, W2], req(session_id="abc"))
+    assert all(route("session_hash", [W2, W1, W0], req(session_id="abc")) == a for _ in range(3))
+
+
+def test_least_loaded_and_precise_prefix() -> None:
+    assert route("least_loaded", [eng("w0", running=3), eng("w1", running=1)], req())[0] == "w1"
+    m = {"w0": PrefixMatch(8, 8, 8.0)}
+    assert route("precise_prefix", [W0, W1], req(1024), matches=m) == ("w0", "prefix")
+
+
+@pytest.mark.parametrize(
+    ("engines", "matches", "expected"),
+    [
+        ([eng("w0", running=100), eng("w1", running=1)], {"w0": PrefixMatch(8, 8, 8.0)}, ("w1", "load")),
+        ([W0, W1], {"w1": PrefixMatch(6, 6, 6.0)}, ("w1", "prefix")),
+        (
+            [eng("w0", kv_usage=0.5), eng("w1", kv_usage=0.1)],
+            {"w0": PrefixMatch(2, 2, 2.0)},
+            ("w1", "cache_room"),
+        ),
+    ],
+)
+def test_cache_aware(engines, matches, expected) -> None:  # type: ignore[no-untyped-def]
+    assert route("cache_aware", engines, req(1024), matches=matches) == expected
+
+
+def test_no_engine_errors() -> None:
+    with pytest.raises(NoEngine) as e:
+        route("agentic", [W0], RouteRequest(model="zzz", prompt_tokens=1, block_size=128))
+    assert e.value.reason == "unknown_model"
+    with pytest.raises(NoEngine) as e:
+        route("agentic", [eng("w0", healthy=False)], req())
+    assert e.value.reason == "unavailable"
+
+
+def test_decision_lists_same_pool_fallbacks_and_breakdown() -> None:
+    d = Router(RoutingParams(profile="least_loaded")).route(
+        req(), Snapshot(engines=(eng("w0", running=1), W1, F0))
+    )
+    assert d.engine in ("w1", "f0")
+    assert all(c.scores for c in d.candidates)
+    assert set(d.fallbacks) <= {"w0", "w1"}
+
+
+def test_unknown_profile_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown routing profile"):
+        Router(RoutingParams(profile="magic"))
+
+
+def cap(name: str, kv_usage: float, capacity_blocks: int = 100) -> EngineView:
+    return eng(name, kv_usage=kv_usage, capacity_blocks=capacity_blocks)
+
+
+def sticky_route(engines: list[EngineView], held: dict[str, int], prompt_blocks: int = 20) -> tuple[str, str]:
+    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=0)
+    matches = {k: PrefixMatch(v, v, float(v)) for k, v in held.items()}
+    r = RouteRequest(model="m", prompt_tokens=64 * prompt_blocks, block_size=64, session_id="s")
+    return route("agentic", engines, r, session=session, matches=matches)
+
+
+def test_sticky_stays_home_when_the_turn_fits() -> None:
+    assert sticky_route([cap("a", 0.5), cap("b", 0.0)], {"a": 19}) == ("a", "sticky")
+
+
+def test_sticky_leaves_a_home_that_cannot_hold_the_turn() -> None:
+    assert sticky_route([cap("a", 0.9), cap("b", 0.1)], {"a": 19}) == ("b", "kv_overflow")
+
+
+def test_sticky_leaves_a_cold_home() -> None:
+    assert sticky_route([cap("a", 0.1), cap("b", 0.1)], {"a": 2, "b": 19}) == ("b", "rehome_cold")

@@ -1,0 +1,109 @@
+"""The event-sourced prefix index against a naive reference, on the event sequences vLLM produces
+(chains stored in order, removals from the tail, clears), with hypothesis."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.core.prefix_index import PrefixIndex, match_linear
+from gateway.core.types import Medium
+
+ENGINES = ["e0", "e1", "e2"]
+CHAINS = [[1000 * c + i for i in range(40)] for c in range(3)]  # three distinct conversations
+
+op = st.one_of(
+    st.tuples(
+        st.just("store"),
+        st.sampled_from(ENGINES),
+        st.integers(0, 2),
+        st.integers(1, 40),
+        st.sampled_from(list(Medium)),
+    ),
+    st.tuples(
+        st.just("remove_tail"), st.sampled_from(ENGINES), st.integers(0, 2), st.integers(1, 40), st.just(None)
+    ),
+    st.tuples(st.just("clear"), st.sampled_from(ENGINES), st.just(0), st.just(0), st.just(None)),
+)
+
+
+class Naive:
+    """engine -> block -> set of media."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[int, set[Medium]]] = {e: {} for e in ENGINES}
+
+    def longest(self, engine: str, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if not self.held[engine].get(h):
+                break
+            n += 1
+        return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=40), st.integers(0, 2), st.integers(1, 40))
+def test_match_equals_naive_reference(ops: list, chain: int, length: int) -> None:  # type: ignore[type-arg]
+    index, naive = PrefixIndex(), Naive()
+    for kind, engine, c, n, medium in ops:
+        if kind == "store":
+            index.apply_stored(engine, CHAINS[c][:n], medium)
+            for h in CHAINS[c][:n]:
+                naive.held[engine].setdefault(h, set()).add(medium)
+        elif kind == "remove_tail":
+            # vLLM frees a request's blocks tail first: remove everything past n
+            tail = CHAINS[c][n:]
+            index.apply_removed(engine, tail)
+            for h in tail:
+                naive.held[engine].pop(h, None)
+        else:
+            index.clear(engine)
+            naive.held[engine].clear()
+    query = CHAINS[chain][:length]
+    got = index.match(query)
+    ref = match_linear(index, query)
+    for e in ENGINES:
+        expected = naive.longest(e, query)
+        assert (got[e].blocks if e in got else 0) == expected
+        assert ref.get(e, 0) == expected
+
+
+def test_media_are_tracked_separately() -> None:
+    index = PrefixIndex()
+    chain = [1, 2, 3, 4]
+    index.apply_stored("e", chain, Medium.GPU)
+    index.apply_stored("e", chain, Medium.CPU)
+    index.apply_removed("e", chain[2:], Medium.GPU)  # evicted from device, still in the CPU tier
+    m = index.match(chain)["e"]
+    assert (m.blocks, m.gpu_blocks) == (4, 2)
+    assert m.weighted_blocks == 2 * 1.0 + 2 * 0.6
+    index.apply_removed("e", chain, Medium.CPU)
+    assert index.match(chain)["e"].blocks == 2
+
+
+def test_capacity_bounds_each_engine() -> None:
+    index = PrefixIndex(capacity_per_engine=10)
+    index.apply_stored("e", list(range(100)))
+    assert index.engine_blocks("e") == 10
+    assert len(index) == 10
+    assert index.match(list(range(100))) == {}  # the head was forgotten first: no prefix left
+    assert index.match(list(range(90, 100)))["e"].blocks == 10
+
+
+def test_match_cost_is_logarithmic_in_context() -> None:
+    """The binary search touches O(log n) blocks per engine, not n."""
+    index = PrefixIndex()
+    chain = list(range(100_000))
+    index.apply_stored("e", chain)
+    calls = 0
+    orig = index.holds
+
+    def counting(engine: str, h: int) -> Medium | None:
+        nonlocal calls
+        calls += 1
+        return orig(engine, h)
+
+    index.holds = counting  # type: ignore[method-assign]
+    assert index.match(chain + [-1])["e"].blocks == 100_000
+    assert calls < 3 * 20
