@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from engine_ext.config import kv_transfer_config
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "weka"
@@ -187,66 +188,25 @@ def serve(cfg: dict) -> tuple[subprocess.Popen[bytes], str, Path]:
     raise RuntimeError("gateway not ready")
 
 
-def start_mooncake(work: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    rpc, meta, mport = free_ports(3)
-    p = subprocess.Popen(
-        [
-            shutil.which("mooncake_master") or "mooncake_master",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={meta}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={mport}",
-            "--default_kv_lease_ttl=200",
-        ],
-        stdout=open(work / "mooncake.log", "wb"),  # noqa: SIM115  (lives as long as the process)
-        stderr=subprocess.STDOUT,
-    )
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{mport}/health", timeout=1)
-            return p, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata"
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("mooncake_master not ready")
-
-
 def phase(model: Path, work: Path, sessions: list[dict[str, Any]], with_ext: bool) -> list[dict[str, Any]]:
     ports = free_ports(9)
-    mc = None
+    mc = MooncakeMaster(work / "mooncake.log").start() if with_ext else None
     specs, controls = [], []
-    if with_ext:
-        mc = start_mooncake(work)
     for i, name in enumerate(("first0", "warm0", "warm1")):
         extra: tuple[str, ...] = ()
-        env = {}
+        env: Mapping[str, str] = {}
         if mc is not None:
             controls.append(f"http://127.0.0.1:{ports[6 + i]}")
-            cfg = {
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "spec_name": "AgentOffloadingSpec",
-                    "spec_module_path": "engine_ext.spec",
-                    "cpu_bytes_to_use": 256 << 20,
-                    "control_port": ports[6 + i],
-                    "control_token": TOKEN,
-                    "engine_url": f"http://127.0.0.1:{ports[i]}",
-                    "secondary_tiers": [
-                        {
-                            "type": "MooncakeTier",
-                            "module_path": "engine_ext.tiers.mooncake",
-                            "master_address": mc[1],
-                            "metadata_server": mc[2],
-                        }
-                    ],
-                },
-            }
+            cfg = kv_transfer_config(
+                256 << 20,
+                control_port=ports[6 + i],
+                control_token=TOKEN,
+                engine_url=f"http://127.0.0.1:{ports[i]}",
+                mooncake_master=mc.master_address,
+                mooncake_metadata=mc.metadata_server,
+            )
             extra = ("--kv-transfer-config", json.dumps(cfg))
-            env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+            env = MooncakeMaster.client_env
         specs.append(
             EngineSpec(
                 name,
@@ -280,8 +240,7 @@ def phase(model: Path, work: Path, sessions: list[dict[str, Any]], with_ext: boo
         for e in engines:
             e.stop()
         if mc is not None:
-            mc[0].terminate()
-            mc[0].wait(10)
+            mc.stop()
     return rows
 
 

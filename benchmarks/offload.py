@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,39 +86,19 @@ def _free_ports(n: int) -> list[int]:
 
 
 def mooncake_gbps(num_blocks: int = 512) -> dict[str, float] | None:
-    binary = shutil.which("mooncake_master")
-    if binary is None:
-        return None
     from engine_ext.tiers.store import MooncakeObjectStore
+    from gateway.local.mooncake import MooncakeMaster
 
-    rpc, meta, metrics = _free_ports(3)
-    master = subprocess.Popen(
-        [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={meta}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    try:
+        master = MooncakeMaster().start()
+    except FileNotFoundError:
+        return None
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{metrics}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         nbytes = num_blocks * BLOCK_BYTES
         store = MooncakeObjectStore(
-            f"127.0.0.1:{rpc}",
-            f"http://127.0.0.1:{meta}/metadata",
+            master.master_address,
+            master.metadata_server,
             global_segment_size=4 * nbytes + (64 << 20),
             local_buffer_size=64 << 20,
         )
@@ -152,8 +130,7 @@ def mooncake_gbps(num_blocks: int = 512) -> dict[str, float] | None:
             "crc32_gbps": nbytes / crc_s / 1e9,
         }
     finally:
-        master.terminate()
-        master.wait(10)
+        master.stop()
 
 
 def _post(url: str, body: dict[str, Any] | None = None) -> Any:

@@ -20,6 +20,7 @@ import uvicorn
 from gateway.api.app import create_app
 from gateway.config import load_config
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
+from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
 MODEL = "tiny-llama"
@@ -141,6 +142,17 @@ def engine_metric(engine_url: str, name: str, labels: dict[str, str] | None = No
             continue
         total += float(value)
     return total
+
+
+@pytest.fixture(scope="session")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A real mooncake_master on loopback, shared by every test that needs the store tier."""
+    try:
+        master = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
+    except FileNotFoundError as exc:
+        pytest.fail(f"{exc} (./scripts/setup.sh installs it)")
+    with master:
+        yield master
 
 
 @pytest.fixture(scope="session")

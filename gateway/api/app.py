@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.api import admin_routes, agent_routes
-from gateway.api.openai_routes import CompletionsEndpoint
+from gateway.api.openai_routes import CompletionsEndpoint, ServiceHolder
 from gateway.config import GatewayConfig
 from gateway.core.router import Router, RoutingParams
 from gateway.errors import ApiError, error_body
@@ -36,10 +36,8 @@ class GatewayApp:
     def __init__(self, api: FastAPI) -> None:
         self.api = api
         self.state = api.state
-        self._hot = {
-            path: CompletionsEndpoint(kind, path, lambda: api.state.service)
-            for path, kind in HOT_ROUTES.items()
-        }
+        holder: ServiceHolder = api.state.holder
+        self._hot = {path: CompletionsEndpoint(kind, path, holder) for path, kind in HOT_ROUTES.items()}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -76,17 +74,20 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         )
         service = GatewayService(config, upstream, cluster, router, metrics, sessions)
         app.state.service = service
+        app.state.holder.service = service
         await cluster.probe_once()
         cluster.start()
         service.start()
         try:
             yield
         finally:
+            app.state.holder.service = None
             await service.stop()
             await cluster.stop()
             await upstream.aclose()
 
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
+    api.state.holder = ServiceHolder()
     api.include_router(admin_routes.router)
     api.include_router(agent_routes.router)
 

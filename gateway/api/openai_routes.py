@@ -26,6 +26,13 @@ log = logging.getLogger("agentgw.api")
 Scope = dict[str, Any]
 
 
+class ServiceHolder:
+    """Where the lifespan puts the app's service for the hot endpoints (a plain attribute:
+    Starlette's ``State.__getattr__`` was a measurable per-request cost)."""
+
+    service: GatewayService | None = None
+
+
 async def read_body(receive: Any, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
@@ -52,14 +59,17 @@ async def send_error(send: Any, err: ApiError, extra: list[tuple[bytes, bytes]] 
 class CompletionsEndpoint:
     """One OpenAI generation route (``kind`` is ``chat`` or ``completions``)."""
 
-    def __init__(self, kind: str, path: str, service: Any) -> None:
+    def __init__(self, kind: str, path: str, holder: ServiceHolder) -> None:
         self.kind = kind
         self.path = path
         self.route = path
-        self._service = service  # a zero-argument callable returning the app's GatewayService
+        self._holder = holder
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        svc: GatewayService = self._service()
+        svc = self._holder.service
+        if svc is None:
+            await send_error(send, ApiError(503, "the gateway is starting", None, "starting", retry_after=1))
+            return
         t0 = time.perf_counter()
         try:
             raw = await read_body(receive, svc.config.limits.max_body_bytes)
@@ -68,14 +78,14 @@ class CompletionsEndpoint:
         except ConnectionAbortedError:
             return
         except ApiError as err:
-            svc.metrics.requests.labels(self.route, str(err.status), "", "").inc()
+            svc.metrics.count_request(self.route, str(err.status), "", "")
             await send_error(send, err)
             return
         try:
             up = await svc.open(plan.decision, self.path, plan.body, plan.headers)
         except ApiError as err:
             await svc.abandon(plan)
-            svc.metrics.requests.labels(self.route, str(err.status), plan.decision.pool, "").inc()
+            svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
             await send_error(send, err, plan.extra_headers)
             return
         try:
@@ -113,7 +123,7 @@ class CompletionsEndpoint:
         try:
             async for chunk in resp.content.iter_any():
                 if first:
-                    svc.metrics.ttft.labels(self.route).observe(time.perf_counter() - t0)
+                    svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
                     first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             state["done"] = True
@@ -135,6 +145,6 @@ class CompletionsEndpoint:
         finally:
             state["done"] = True
             watch.cancel()
-            svc.metrics.e2e.labels(self.route).observe(time.perf_counter() - t0)
-            svc.metrics.requests.labels(self.route, status, up.pool, up.engine).inc()
+            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
+            svc.metrics.count_request(self.route, status, up.pool, up.engine)
             await svc.finish(plan, up, status)

@@ -271,7 +271,7 @@ class GatewayService:
     async def plan(self, parsed: ParsedRequest, raw: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Plan:
         a = await self.analyze(parsed, headers)
         d = self.decide(a)
-        self.metrics.decisions.labels(d.profile, d.pool, d.reason).inc()
+        self.metrics.count_decision(d.profile, d.pool, d.reason)
         if not a.exact:
             self.approx.apply_stored(d.engine, a.hashes)
         sid = a.hints.session_id

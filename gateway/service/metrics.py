@@ -81,5 +81,29 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self._children: dict[tuple[object, ...], object] = {}
+
+    def _child(self, metric: object, *labels: str) -> object:
+        """``metric.labels(*labels)``, cached: the per-request path pays one dict lookup."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) > 100_000:  # bounded: label values come from config and codes
+                self._children.clear()
+            child = self._children[key] = metric.labels(*labels)  # type: ignore[attr-defined]
+        return child
+
+    def count_request(self, route: str, status: str, pool: str, engine: str) -> None:
+        self._child(self.requests, route, status, pool, engine).inc()  # type: ignore[attr-defined]
+
+    def count_decision(self, profile: str, pool: str, reason: str) -> None:
+        self._child(self.decisions, profile, pool, reason).inc()  # type: ignore[attr-defined]
+
+    def observe_ttft(self, route: str, seconds: float) -> None:
+        self._child(self.ttft, route).observe(seconds)  # type: ignore[attr-defined]
+
+    def observe_e2e(self, route: str, seconds: float) -> None:
+        self._child(self.e2e, route).observe(seconds)  # type: ignore[attr-defined]
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

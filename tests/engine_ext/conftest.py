@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from engine_ext import config
 from gateway.local.engines import EngineSpec, free_ports, start_engines
+from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 from tests.engine_ext.offload_support import (
     BLOCK_BYTES,
@@ -27,88 +25,26 @@ from tests.engine_ext.offload_support import (
     HOST_CHUNKS,
     HYBRIDS,
     Engine,
-    Mooncake,
 )
 
 PORTS = range(22600, 23000)
 DEVICE_BLOCKS = 64
 
 
-def _wait_http(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-@pytest.fixture(scope="session")
-def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mooncake]:
-    binary = shutil.which("mooncake_master")
-    if binary is None:
-        pytest.fail("mooncake_master is not installed (the store extra installs it: ./scripts/setup.sh)")
-    rpc, meta, metrics = free_ports(3, PORTS)
-    log = open(tmp_path_factory.mktemp("mooncake") / "master.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={meta}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-            "--default_kv_lease_ttl=2000",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+def kv_transfer_config(mc: MooncakeMaster, control_port: int, engine_port: int) -> dict:
+    return config.kv_transfer_config(
+        HOST_CHUNKS * BLOCK_BYTES,
+        control_port=control_port,
+        control_token=CONTROL_TOKEN,
+        engine_url=f"http://127.0.0.1:{engine_port}",
+        mooncake_master=mc.master_address,
+        mooncake_metadata=mc.metadata_server,
     )
-    try:
-        _wait_http(f"http://127.0.0.1:{metrics}/health", 30)
-        yield Mooncake(f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata", rpc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def kv_transfer_config(mc: Mooncake, control_port: int, engine_port: int) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "AgentOffloadingSpec",
-            "spec_module_path": "engine_ext.spec",
-            "cpu_bytes_to_use": HOST_CHUNKS * BLOCK_BYTES,
-            "control_port": control_port,
-            "control_token": CONTROL_TOKEN,
-            "engine_url": f"http://127.0.0.1:{engine_port}",
-            "secondary_tiers": [
-                {
-                    "type": "MooncakeTier",
-                    "module_path": "engine_ext.tiers.mooncake",
-                    "master_address": mc.master_address,
-                    "metadata_server": mc.metadata_server,
-                }
-            ],
-        },
-    }
 
 
 @pytest.fixture(scope="module")
 def engines(
-    tiny_llama: Path, mooncake: Mooncake, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama: Path, mooncake: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Engine]]:
     logs = tmp_path_factory.mktemp("engine-logs")
     ports = free_ports(5, PORTS)
@@ -125,7 +61,7 @@ def engines(
                 "--kv-transfer-config",
                 json.dumps(kv_transfer_config(mooncake, ports[2 + i], ports[i])),
             ),
-            extra_env={"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_CLIENT_SETUP_RETRIES": "3"},
+            extra_env=MooncakeMaster.client_env,
             kv_events_port=ports[4] if i == 0 else None,
         )
         for i, name in enumerate(("engine-a", "engine-b"))
@@ -144,18 +80,7 @@ def engines(
 
 
 def host_tier_config(control_port: int) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "AgentOffloadingSpec",
-            "spec_module_path": "engine_ext.spec",
-            "cpu_bytes_to_use": 64 << 20,
-            "control_port": control_port,
-            "control_token": CONTROL_TOKEN,
-        },
-    }
+    return config.kv_transfer_config(64 << 20, control_port=control_port, control_token=CONTROL_TOKEN)
 
 
 @pytest.fixture(scope="module")

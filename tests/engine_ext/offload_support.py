@@ -20,13 +20,6 @@ HYBRIDS = {"gemma3": (256, 1400, 30), "qwen3_next": (64, 2400, 10)}
 
 
 @dataclass(frozen=True)
-class Mooncake:
-    master_address: str
-    metadata_server: str
-    rpc_port: int
-
-
-@dataclass(frozen=True)
 class Engine:
     name: str
     url: str

@@ -10,18 +10,17 @@ from pathlib import Path
 import pytest
 
 from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines
+from gateway.local.mooncake import MooncakeMaster
 from tests.conftest import MODEL, ServedGateway, engine_specs, wait_ready
-from tests.engine_ext import conftest as _ext
 from tests.engine_ext.conftest import kv_transfer_config
-from tests.engine_ext.offload_support import CONTROL_TOKEN, Mooncake
+from tests.engine_ext.offload_support import CONTROL_TOKEN
 
-mooncake = _ext.mooncake  # the same real mooncake_master fixture
 NAMES = ("first0", "warm0", "warm1")
 
 
 @pytest.fixture(scope="package")
 def kv_cluster(
-    tiny_llama: Path, mooncake: Mooncake, workdir: Path
+    tiny_llama: Path, mooncake: MooncakeMaster, workdir: Path
 ) -> Iterator[dict[str, tuple[LocalEngine, str]]]:
     control_ports = free_ports(len(NAMES))
     base = engine_specs(tiny_llama, list(NAMES), workdir, max_model_len=8192)
@@ -33,7 +32,7 @@ def kv_cluster(
                 **{
                     **spec.__dict__,
                     "extra_args": ("--kv-transfer-config", json.dumps(cfg)),
-                    "extra_env": {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_CLIENT_SETUP_RETRIES": "3"},
+                    "extra_env": MooncakeMaster.client_env,
                 }
             )
         )

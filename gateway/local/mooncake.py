@@ -1,0 +1,86 @@
+"""Start and stop a real ``mooncake_master`` on loopback (tests, benchmarks, local runs).
+
+The master keeps its metadata in memory only: a restart loses every key. Clients need
+``MC_TCP_BIND_ADDRESS=127.0.0.1``; ``MooncakeMaster.client_env`` carries it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import ClassVar
+
+from gateway.local.engines import free_ports
+
+
+class MooncakeMaster:
+    def __init__(self, log_path: Path | None = None, lease_ttl_ms: int = 2000) -> None:
+        binary = shutil.which("mooncake_master")
+        if binary is None:
+            raise FileNotFoundError("mooncake_master is not installed (pip install 'agentgw[store]')")
+        self.rpc_port, self.metadata_port, self.metrics_port = free_ports(3)
+        self._cmd = [
+            binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.metadata_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={lease_ttl_ms}",
+        ]
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    #: Environment a Mooncake client (an engine with the Mooncake tier) needs on loopback.
+    client_env: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_CLIENT_SETUP_RETRIES": "3"}
+    )
+
+    def start(self, timeout_s: float = 30.0) -> MooncakeMaster:
+        out = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(self._cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self._proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError("mooncake_master did not become healthy")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
