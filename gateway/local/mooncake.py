@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Mapping
@@ -20,7 +21,9 @@ from gateway.local.engines import free_ports
 
 class MooncakeMaster:
     def __init__(self, log_path: Path | None = None, lease_ttl_ms: int = 2000) -> None:
-        binary = shutil.which("mooncake_master")
+        # the store extra installs it next to this interpreter (a venv that need not be activated)
+        here = Path(sys.executable).parent / "mooncake_master"
+        binary = str(here) if here.exists() else shutil.which("mooncake_master")
         if binary is None:
             raise FileNotFoundError("mooncake_master is not installed (pip install 'agentgw[store]')")
         self.rpc_port, self.metadata_port, self.metrics_port = free_ports(3)

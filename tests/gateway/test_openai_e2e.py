@@ -56,7 +56,7 @@ def test_stream_is_relayed_chunk_by_chunk(gateway: ServedGateway) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 400,
+        "max_tokens": 1500,
         "ignore_eos": True,
         "stream": True,
     }
