@@ -4,6 +4,8 @@
     python -m benchmarks.compare --configs 8x64x10 --policies agentic+hints,precise_prefix
     python -m benchmarks.compare --engine h200-qwen3-32b-fp8 --no-sweep
     python -m benchmarks.compare --with-dynamo         # + Dynamo 1.6.1's own replay, same run
+    python -m benchmarks.compare --configs 8x64x10 --no-sweep --pools 2+6 \
+        --policies agentic+hints+recompute,agentic+hints,agentic+hints+planner   # inter-turn migration
 
 Every policy runs through the real ``gateway.core.router.Router`` in the discrete-event simulator
 (:mod:`benchmarks.sim`), against the same modeled engines (default: Dynamo 1.6.1's mocker model).
@@ -14,7 +16,14 @@ figures for Dynamo, and writes ``ttft_cdf.png``, ``tpgs_vs_concurrency.png`` and
 Policies: ``round_robin``, ``least_loaded``, ``session_hash``, ``cache_aware`` (SGLang router
 style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d style, index fed
 by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for
-subagents, expected tool latency from the trace's recorded gap).
+subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+planner`` runs the
+real ``gateway.core.planner`` after each turn with its executor modeled
+(:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
+(what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
+host tier per engine and a shared store (:mod:`benchmarks.sim.tiers`) when a ``+planner`` policy
+is in the run, else none; ``--pools F+W`` splits the workers into a first-turn and a warm pool.
+With a ``+planner`` policy, a second table compares the *moved sessions' next turns* (the turns
+whose session a completed move re-homed) across the policies: TTFT and recomputed tokens.
 
 ``--with-dynamo`` also runs NVIDIA Dynamo 1.6.1's offline replay (:mod:`benchmarks.dynamo_replay`,
 in its own Python 3.10 environment) on the same Weka files, for the same configurations (and the
@@ -29,13 +38,18 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from benchmarks.sim.calibration import ENGINES
-from benchmarks.sim.cluster import SimConfig, simulate
-from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request, summarize
+from benchmarks.sim.cluster import RequestRecord, SimConfig, Simulator, simulate
+from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request, percentile, summarize
+from benchmarks.sim.migrations import SimMigrations
+from benchmarks.sim.tiers import DEFAULT_KV_BYTES_PER_TOKEN, TiersConfig
 from benchmarks.sim.traces import Play, load_mooncake, load_weka, synth_agentx
+from gateway.core.planner import PlannerParams
+from gateway.core.router import RoutingParams
 
 POLICIES = (
     "round_robin",
@@ -70,6 +84,10 @@ def parse_config(text: str) -> tuple[int, int, float]:
     return int(w), int(lanes), float(sp)
 
 
+LAST_SIMS: dict[str, Simulator] = {}
+"""The last run of each policy (for the moved-session report)."""
+
+
 def run_one(
     plays: Sequence[Play],
     ideal: dict[tuple[str, int], int],
@@ -78,39 +96,112 @@ def run_one(
     lanes: int | None,
     speedup: float,
     engine: str,
+    first_turn_workers: int = 0,
+    first_turn_threshold: int | None = None,
+    tiers: TiersConfig | None = None,
 ) -> tuple[RunMetrics, list[float]]:
-    profile, _, hints = policy.partition("+")
+    profile, *flags = policy.split("+")
+    eng = ENGINES[engine]()
+    planner = None
+    if "recompute" in flags:
+        tiers = None
+    if "planner" in flags:
+        tiers = tiers or TiersConfig()
+        kvb = eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
+        tiers = replace(tiers, kv_bytes_per_token=kvb)
+        planner = SimMigrations(
+            PlannerParams(kv_bytes_per_token=kvb, move_bytes_per_s=tiers.store_gbps * 1e9)
+        )
+    elif tiers is not None and eng.kv_bytes_per_token:
+        tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
+    routing = None
+    if first_turn_threshold is not None:
+        routing = RoutingParams(profile=profile, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
         workers=workers,
-        engine=ENGINES[engine](),
+        engine=eng,
         profile=profile,
-        hints=hints == "hints",
+        hints="hints" in flags,
         lanes=lanes,
         speedup=speedup,
         label=policy,
+        routing=routing,
+        first_turn_workers=first_turn_workers,
+        tiers=tiers,
     )
     t0 = time.perf_counter()
-    sim = simulate(plays, cfg)
+    sim = simulate(plays, cfg, planner)
     m = summarize(sim, plays, ideal, label=policy)
     m.wall_s = time.perf_counter() - t0
+    LAST_SIMS[policy] = sim
     ttft = sorted((r.t_first - r.t_arrive) * 1000.0 for r in sim.records)
     return m, ttft
+
+
+def moved_report(
+    sims: dict[str, Simulator], ideal: dict[tuple[str, int], int]
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """The next turns of sessions a ``+planner`` run moved, compared across every policy's run."""
+    planners = [(k, s) for k, s in sims.items() if isinstance(s.planner, SimMigrations)]
+    if not planners:
+        return "", {}
+    label, psim = planners[0]
+    mig = psim.planner
+    assert isinstance(mig, SimMigrations)
+    keys = set(mig.moved_next)
+    out: dict[str, dict[str, float]] = {}
+    head = (
+        f"{'policy':<24} {'turns':>5} {'TTFT p50':>9} {'p90':>8} {'mean':>8} "
+        f"{'recomputed ktok':>15} {'loaded ktok':>11}"
+    )
+    lines = [
+        f"moved sessions' next turns ({label}: {len(keys)} turns re-homed by a completed move; "
+        f"prefetch slack p50 {percentile(mig.slack_s, 50):.1f} s)",
+        head,
+        "-" * len(head),
+    ]
+    for name, sim in sims.items():
+        recs: list[RequestRecord] = [r for r in sim.records if (r.play, r.idx) in keys]
+        if not recs:
+            continue
+        ttft = [(r.t_first - r.t_arrive) * 1000.0 for r in recs]
+        recompute = sum(
+            max(0, ideal.get((r.play, r.idx), 0) - r.cached_tokens) + r.recomputed_tokens for r in recs
+        )
+        loaded = sum(r.loaded_tokens for r in recs)
+        row = {
+            "turns": len(recs),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p90_ms": percentile(ttft, 90),
+            "ttft_mean_ms": sum(ttft) / len(ttft),
+            "recomputed_tokens": recompute,
+            "loaded_tokens": loaded,
+        }
+        out[name] = row
+        lines.append(
+            f"{name:<24} {len(recs):>5} {row['ttft_p50_ms']:>9.0f} {row['ttft_p90_ms']:>8.0f} "
+            f"{row['ttft_mean_ms']:>8.0f} {recompute / 1e3:>15.1f} {loaded / 1e3:>11.1f}"
+        )
+    lines.append(f"planner actions: {dict(sorted(mig.actions.items()))}")
+    lines.append(f"executor: {dict(sorted(mig.stats.items()))}")
+    return "\n".join(lines), out
 
 
 def format_table(
     rows: Sequence[RunMetrics], config: str, dynamo_rows: Sequence[dict[str, Any]] | None = None
 ) -> str:
     head = (
-        f"{'policy':<16} {'reuse':>7} {'ideal':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
-        f"{'recompute Mtok':>14} {'P90 tok/s':>9} {'TPGS':>7} {'TPGS@SLO':>8} {'preempt':>7} {'wall s':>6}"
+        f"{'policy':<24} {'reuse':>7} {'ideal':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
+        f"{'recompute Mtok':>14} {'P90 tok/s':>9} {'TPGS':>7} {'TPGS@SLO':>8} {'preempt':>7} "
+        f"{'moved GB':>8} {'migr':>5} {'wall s':>6}"
     )
     lines = [head, "-" * len(head)]
     for m in rows:
         lines.append(
-            f"{m.label:<16} {m.hit_rate:>7.1%} {m.ideal_hit_rate:>7.1%} {m.ttft_p50_ms:>9.0f} "
+            f"{m.label:<24} {m.hit_rate:>7.1%} {m.ideal_hit_rate:>7.1%} {m.ttft_p50_ms:>9.0f} "
             f"{m.ttft_p90_ms:>8.0f} {m.ttft_p99_ms:>8.0f} {m.recomputed_tokens / 1e6:>14.1f} "
             f"{m.interactivity_p90:>9.1f} {m.tpgs:>7.0f} {m.tpgs_at_slo:>8.0f} {m.preemptions:>7d} "
-            f"{m.wall_s:>6.1f}"
+            f"{m.kv_bytes_moved / 1e9:>8.1f} {m.migrations:>5d} {m.wall_s:>6.1f}"
         )
     if dynamo_rows is not None:
         for d in dynamo_rows:
@@ -209,6 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sweep-config", default="8x0x10", help="workers and speed-up of the sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--pools", default="", help="FIRST+WARM workers, e.g. 2+6 ('' = one pool)")
+    ap.add_argument(
+        "--first-turn-threshold",
+        type=int,
+        default=None,
+        help="estimated uncached tokens (router default 4096)",
+    )
+    ap.add_argument("--tiers", choices=("auto", "on", "off"), default="auto", help="host tier + store")
+    ap.add_argument("--host-blocks", type=int, default=TiersConfig().host_blocks, help="host tier per engine")
+    ap.add_argument("--host-gbps", type=float, default=TiersConfig().host_gbps)
+    ap.add_argument("--store-gbps", type=float, default=TiersConfig().store_gbps)
     ap.add_argument(
         "--with-dynamo",
         action="store_true",
@@ -227,6 +329,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     policies = [p for p in args.policies.split(",") if p]
     configs = [c for c in args.configs.split(",") if c]
+    tiers_on = args.tiers == "on" or (args.tiers == "auto" and any("+planner" in p for p in policies))
+    tiers = (
+        TiersConfig(host_blocks=args.host_blocks, host_gbps=args.host_gbps, store_gbps=args.store_gbps)
+        if tiers_on
+        else None
+    )
+    first_turn = int(args.pools.split("+")[0]) if args.pools else 0
+    extra = {
+        "first_turn_workers": first_turn,
+        "first_turn_threshold": args.first_turn_threshold,
+        "tiers": tiers,
+    }
     lanes_open = args.trace == "mooncake"
     sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
     sw, _, ssp = parse_config(args.sweep_config)
@@ -270,13 +384,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = []
         cdfs[config] = {}
         for policy in policies:
-            m, ttft = run_one(plays, ideal, policy, w, None if lanes_open else lanes, sp, args.engine)
+            m, ttft = run_one(
+                plays, ideal, policy, w, None if lanes_open else lanes, sp, args.engine, **extra
+            )
             done[(policy, w, lanes, sp)] = m
             rows.append(m)
             cdfs[config][policy] = ttft
         print(f"\n== {config}: {w} workers, {lanes} lanes, arrival speed-up {sp:g} ==")
         print(format_table(rows, config, dyn.get(config, []) if dyn is not None else None), flush=True)
         results[config] = {m.label: m.as_dict() for m in rows}
+        report, moved = moved_report({p: LAST_SIMS[p] for p in policies if p in LAST_SIMS}, ideal)
+        if report:
+            print("\n" + report, flush=True)
+            results[config]["moved_next_turns"] = moved  # type: ignore[assignment]
         if dyn is not None:
             results[config].update({str(d["label"]): d for d in dyn.get(config, [])})
 
@@ -286,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for lanes in sweep_lanes:
                 m = done.get((policy, sw, lanes, ssp))
                 if m is None:
-                    m, _ = run_one(plays, ideal, policy, sw, lanes, ssp, args.engine)
+                    m, _ = run_one(plays, ideal, policy, sw, lanes, ssp, args.engine, **extra)
                 sweep.setdefault(policy, []).append((lanes, m.tpgs, m.interactivity_p90))
         if dyn_sweep:
             sweep["Dynamo KV router"] = dyn_sweep

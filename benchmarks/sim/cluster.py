@@ -12,8 +12,19 @@ Replay modes: ``lanes=L`` (Dynamo's ``agentic_lanes``: L plays at a time, each l
 next play when the previous one has completed) or ``lanes=None`` (open loop: each play starts at
 its recorded ``start_s``, e.g. Mooncake). ``speedup`` divides every recorded gap and start time.
 
-Planner hook: ``planner.after_turn(sim, record)`` is called after each completion (a later
-``gateway.core.planner`` plugs in here); its moves are counted in the metrics.
+Pools: ``first_turn_workers=F`` makes the first F engines a ``first_turn`` pool and the rest a
+``warm`` pool (the real router's ``pool_role`` filter splits on estimated uncached tokens against
+``RoutingParams.first_turn_threshold_tokens``); 0 = one pool of role ``any``.
+
+KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
+written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
+and their KV events (medium CPU / STORAGE) reach the prefix index.
+
+Planner hook: ``planner.after_turn(sim, record)`` is called after each completed request, where
+the gateway calls its planner (``GatewayService._settle``); ``planner.on_next_turn(...)`` after
+each session request is routed (``MigrationExecutor.on_next_turn``); control requests
+(prefetches, negative ids) submitted with :meth:`Simulator.submit_control` come back through
+``planner.on_control_done``. :class:`benchmarks.sim.migrations.SimMigrations` is the executor.
 """
 
 from __future__ import annotations
@@ -25,11 +36,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
+from benchmarks.sim.tiers import Tiers, TiersConfig
 from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import Router, RoutingParams
 from gateway.core.sessions import SessionRecord, SessionTable
-from gateway.core.types import EngineView, PoolRole, RouteRequest, SessionView, Snapshot
+from gateway.core.types import Decision, EngineView, Medium, PoolRole, RouteRequest, SessionView, Snapshot
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
 
@@ -51,6 +63,10 @@ class SimConfig:
     routing: RoutingParams | None = None
     index_capacity_blocks: int = 1 << 20
     label: str = ""
+    first_turn_workers: int = 0
+    """The first N engines form a ``first_turn`` pool, the rest a ``warm`` pool (0: one pool)."""
+    tiers: TiersConfig | None = None
+    """Host tier + shared store under the device caches (None: recompute what is not on device)."""
 
 
 @dataclass(slots=True)
@@ -67,10 +83,20 @@ class RequestRecord:
     cached_tokens: int
     recomputed_tokens: int
     reason: str
+    session_id: str | None = None
+    fan_out: int = 0
+    loaded_tokens: int = 0
+    """Prompt tokens loaded from the host tier / store (part of ``cached_tokens``)."""
 
 
 class Planner(Protocol):
     def after_turn(self, sim: Simulator, record: RequestRecord) -> None: ...
+
+    def on_next_turn(
+        self, sim: Simulator, session_id: str, decision: Decision, play: str, idx: int
+    ) -> None: ...
+
+    def on_control_done(self, sim: Simulator, seq: Seq, engine: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -92,9 +118,10 @@ class _Inflight:
     session_id: str | None
     parent_id: str | None
     reason: str
+    fan_out: int = 0
 
 
-_ARRIVE, _PASS, _PLAY = 0, 1, 2
+_ARRIVE, _PASS, _PLAY, _WAKE = 0, 1, 2, 3
 
 
 class Simulator:
@@ -109,7 +136,22 @@ class Simulator:
         self.approx = PrefixIndex(cfg.engine.num_blocks)
         self.sessions = SessionTable(capacity=100_000, ttl_s=24 * 3600.0)
         on_kv = self._on_kv if cfg.profile in _NEEDS_PRECISE else None
-        self.engines = [Engine(f"w{i}", cfg.engine, on_kv) for i in range(cfg.workers)]
+        names = [f"w{i}" for i in range(cfg.workers)]
+        self.tiers = (
+            Tiers(cfg.tiers, names, self._on_tier_kv if on_kv is not None else None)
+            if cfg.tiers is not None
+            else None
+        )
+        self.engines = [Engine(n, cfg.engine, on_kv, self.tiers) for n in names]
+        ft = cfg.first_turn_workers
+        self._roles = [
+            (("first", PoolRole.FIRST_TURN) if i < ft else ("warm", PoolRole.WARM))
+            if ft > 0
+            else ("default", PoolRole.ANY)
+            for i in range(cfg.workers)
+        ]
+        self._wake_at: list[float | None] = [None] * cfg.workers
+        self._ctrl_rid = 0
         self._by_name = {e.name: i for i, e in enumerate(self.engines)}
         self._inflight_n = [0] * cfg.workers
         self._pass_version = [0] * cfg.workers
@@ -123,6 +165,7 @@ class Simulator:
         self.migrations = 0
         self.kv_bytes_moved = 0
         self.now = 0.0
+        self.plays: dict[str, Play] = {}
         self._models = frozenset({MODEL})
 
     # -- events -----------------------------------------------------------------------------
@@ -132,9 +175,16 @@ class Simulator:
 
     def _on_kv(self, engine: str, stored: list[int], removed: list[int]) -> None:
         if removed:
-            self.index.apply_removed(engine, removed)
+            # with tiers, a block evicted from device memory may still be in the host tier
+            self.index.apply_removed(engine, removed, Medium.GPU if self.tiers is not None else None)
         if stored:
             self.index.apply_stored(engine, stored)
+
+    def _on_tier_kv(self, engine: str, stored: list[int], removed: list[int], medium: Medium) -> None:
+        if removed:
+            self.index.apply_removed(engine, removed, medium)
+        if stored:
+            self.index.apply_stored(engine, stored, medium)
 
     # -- plays ------------------------------------------------------------------------------
     def _start_play(self, play: Play, t: float, lane: int | None) -> None:
@@ -163,12 +213,26 @@ class Simulator:
                 self._push(st.ready_at[j], _ARRIVE, (st, j))
 
     # -- routing ----------------------------------------------------------------------------
+    def engine_index(self, engine: str) -> int:
+        return self._by_name[engine]
+
+    def sessions_hashes(self, session_id: str) -> list[int]:
+        rec = self.sessions.get(session_id, self.now)
+        return rec.prefix_hashes if rec is not None else []
+
+    def pool_of(self, engine: str) -> str:
+        return self._roles[self._by_name[engine]][0]
+
+    def views(self) -> tuple[EngineView, ...]:
+        return self._views()
+
     def _views(self) -> tuple[EngineView, ...]:
+        roles = self._roles
         return tuple(
             EngineView(
                 name=e.name,
-                pool="default",
-                role=PoolRole.ANY,
+                pool=roles[i][0],
+                role=roles[i][1],
                 models=self._models,
                 running=len(e.running),
                 waiting=len(e.waiting),
@@ -234,6 +298,8 @@ class Simulator:
         )
         d = self.router.route(req, snap)
         ei = self._by_name[d.engine]
+        if self.planner is not None and cfg.hints and sid is not None:
+            self.planner.on_next_turn(self, sid, d, play.play_id, r.idx)
         if profile in _NEEDS_APPROX:
             self.approx.apply_stored(d.engine, r.hashes)
         if cfg.hints and sid is not None:
@@ -247,11 +313,14 @@ class Simulator:
                 self._siblings.setdefault(parent_id, Counter())[d.engine] += 1
         self._rid += 1
         rid = self._rid
-        self._live[rid] = _Inflight(st, r, ei, sid if cfg.hints else None, parent_id, d.reason)
+        self._live[rid] = _Inflight(st, r, ei, sid if cfg.hints else None, parent_id, d.reason, req.fan_out)
         self._inflight_n[ei] += 1
-        eng = self.engines[ei]
-        eng.add(Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now))
         self._trigger(st, idx, DISPATCH, now)
+        self._submit(ei, Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now), now)
+
+    def _submit(self, ei: int, seq: Seq, now: float) -> None:
+        eng = self.engines[ei]
+        eng.add(seq)
         if not eng.busy:
             self._kick(ei, now)
         else:
@@ -260,16 +329,56 @@ class Simulator:
                 self._pass_version[ei] += 1
                 self._push(end, _PASS, (ei, self._pass_version[ei]))
 
+    def submit_control(self, engine: str, prompt: int, hashes: list[int]) -> Seq:
+        """A control request (engine_ext's prefetch: a 1-token completion of the prefix) on
+        ``engine``; it comes back through ``planner.on_control_done``, not as a record."""
+        self._ctrl_rid -= 1
+        seq = Seq(self._ctrl_rid, prompt, 1, hashes, self.now)
+        self._submit(self._by_name[engine], seq, self.now)
+        return seq
+
     def _kick(self, ei: int, now: float) -> None:
-        end = self.engines[ei].start_pass(now)
+        eng = self.engines[ei]
+        end = eng.start_pass(now)
         if end is not None:
             self._pass_version[ei] += 1
             self._push(end, _PASS, (ei, self._pass_version[ei]))
+        if eng.loading:
+            self._arm_wake(ei)
+
+    def _arm_wake(self, ei: int) -> None:
+        """Wake the engine when its next load completes (an idle engine has no pass to end)."""
+        now = self.now
+        t = min((s.ready_at for s in self.engines[ei].loading if s.ready_at > now), default=None)
+        if t is None:
+            return  # loads already complete are taken by the next pass
+        cur = self._wake_at[ei]
+        if cur is None or t < cur or cur < self.now:
+            self._wake_at[ei] = t
+            self._push(t, _WAKE, ei)
+
+    def _wake(self, ei: int, now: float) -> None:
+        if self._wake_at[ei] == now:
+            self._wake_at[ei] = None
+        eng = self.engines[ei]
+        if not eng.busy:
+            self._kick(ei, now)
+        else:
+            end = eng.interrupt(now)
+            if end is not None:
+                self._pass_version[ei] += 1
+                self._push(end, _PASS, (ei, self._pass_version[ei]))
+        if eng.loading:
+            self._arm_wake(ei)
 
     def _pass_end(self, ei: int, now: float) -> None:
         eng = self.engines[ei]
         for s in eng.finish_pass(now):
-            self._complete(s, ei, now)
+            if s.rid < 0:
+                if self.planner is not None:
+                    self.planner.on_control_done(self, s, ei)
+            else:
+                self._complete(s, ei, now)
         self._kick(ei, now)
 
     def _complete(self, s: Seq, ei: int, now: float) -> None:
@@ -289,6 +398,9 @@ class Simulator:
             cached_tokens=max(0, s.cached_tokens),
             recomputed_tokens=s.recomputed,
             reason=live.reason,
+            session_id=live.session_id,
+            fan_out=live.fan_out,
+            loaded_tokens=s.loaded,
         )
         self.records.append(rec)
         if live.parent_id is not None:
@@ -316,6 +428,7 @@ class Simulator:
     # -- run --------------------------------------------------------------------------------
     def run(self, plays: Sequence[Play]) -> list[RequestRecord]:
         queue = deque(plays)
+        self.plays = {p.play_id: p for p in plays}
         if self.cfg.lanes is None:
             for p in queue:
                 self._start_play(p, p.start_s / self.cfg.speedup, None)
@@ -335,6 +448,8 @@ class Simulator:
                 ei, version = payload  # type: ignore[misc]
                 if version == self._pass_version[ei]:
                     self._pass_end(ei, t)
+            elif kind == _WAKE:
+                self._wake(payload, t)  # type: ignore[arg-type]
             elif queue:
                 self._start_play(queue.popleft(), t, payload)  # type: ignore[arg-type]
         return self.records

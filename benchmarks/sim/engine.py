@@ -32,6 +32,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.sim.tiers import Tiers
 
 __all__ = ["DYNAMO_MOCKER", "Engine", "EngineConfig", "PerfModel", "Seq"]
 
@@ -71,7 +75,8 @@ class EngineConfig:
     kv_bytes_per_token: int = 0
     """For KV bytes moved (planner); 0 when the model is abstract."""
     host_blocks: int = 0
-    """Host (CPU) tier capacity in blocks (0: none). A hook for the planner and offloading."""
+    """Host (CPU) tier capacity in blocks; the tiers themselves are :mod:`benchmarks.sim.tiers`
+    (``SimConfig.tiers``), these three fields are their defaults for this engine model."""
     host_gbps: float = 50.0
     store_gbps: float = 2.3
 
@@ -91,11 +96,13 @@ class Seq:
         "chunk",
         "computed",
         "hashes",
+        "loaded",
         "max_out",
         "out_done",
         "own",
         "pinned",
         "prompt",
+        "ready_at",
         "recomputed",
         "rid",
         "t_arrive",
@@ -123,6 +130,10 @@ class Seq:
         self.admitted = 0
         self.t_first = -1.0
         self.t_last = -1.0
+        self.loaded = 0
+        """Prompt tokens loaded from the host tier / store instead of recomputed."""
+        self.ready_at = 0.0
+        """While loading: when the load completes."""
 
 
 class Engine:
@@ -131,12 +142,21 @@ class Engine:
         name: str,
         cfg: EngineConfig,
         on_kv_events: Callable[[str, list[int], list[int]], None] | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         self.name = name
         self.cfg = cfg
         self.bs = cfg.block_size
         self.on_kv_events = on_kv_events
-        # Block cache, kept in C-level bulk operations (a turn touches ~1,600 blocks):
+        self.tiers = tiers
+        if tiers is not None:
+            tiers.set_block_size(cfg.block_size)
+        self.now = 0.0
+        self.soft: dict[int, float] = {}
+        """Soft device pins: hash -> pinned until (skipped by eviction while other blocks are
+        free; evicted anyway when only pinned blocks are left)."""
+        self.loading: list[Seq] = []
+        """Admitted requests whose prefix is being loaded from the host tier / store."""  # Block cache, kept in C-level bulk operations (a turn touches ~1,600 blocks):
         self.stamp: dict[int, int] = {}
         """Every resident hashed block -> the id of the LRU record that last freed it (0: never)."""
         self.pinned: set[int] = set()
@@ -180,7 +200,36 @@ class Engine:
         return len(self.stamp) - len(self.pinned)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
+
+    def next_ready(self) -> float | None:
+        """When the next load completes (the caller wakes the engine then)."""
+        return min((s.ready_at for s in self.loading), default=None)
+
+    def remove_waiting(self, rid: int) -> bool:
+        """Drop a request not yet admitted (a cancelled prefetch)."""
+        for s in self.waiting:
+            if s.rid == rid and s.computed == 0 and s.pinned == 0:
+                self.waiting.remove(s)
+                return True
+        return False
+
+    def soft_pin(self, hashes: list[int], until: float) -> int:
+        """Keep the resident ``hashes`` from LRU eviction until ``until``; returns how many."""
+        soft, stamp = self.soft, self.stamp
+        n = 0
+        for h in hashes:
+            if h in stamp:
+                if soft.get(h, 0.0) < until:
+                    soft[h] = until
+                n += 1
+        return n
+
+    def unpin(self, hashes: list[int]) -> None:
+        soft = self.soft
+        if soft:
+            for h in hashes:
+                soft.pop(h, None)
 
     def resident(self, h: int) -> bool:
         return h in self.stamp
@@ -212,7 +261,9 @@ class Engine:
         if need > self.cached_free_blocks:
             return False
         stamp, pinned, removed, lru = self.stamp, self.pinned, self._removed, self._lru
-        while need > 0:
+        soft, now = self.soft, self.now
+        deferred: list[int] = []
+        while need > 0 and lru:
             rec = lru[0]
             rid, hs, pos = rec
             n_hs = len(hs)
@@ -220,6 +271,11 @@ class Engine:
                 h = hs[pos]
                 pos += 1
                 if stamp.get(h) == rid and h not in pinned:
+                    if soft:
+                        if soft.get(h, 0.0) > now:
+                            deferred.append(h)
+                            continue
+                        soft.pop(h, None)
                     del stamp[h]
                     removed.append(h)
                     need -= 1
@@ -227,6 +283,20 @@ class Engine:
                 lru.popleft()
             else:
                 rec[2] = pos
+        if deferred:
+            i = 0
+            while need > 0:  # only soft-pinned blocks are left: the oldest go anyway
+                h = deferred[i]
+                i += 1
+                soft.pop(h, None)
+                del stamp[h]
+                removed.append(h)
+                need -= 1
+            if i < len(deferred):
+                self._lru_id += 1
+                rest = deferred[i:]
+                stamp.update(dict.fromkeys(rest, self._lru_id))
+                lru.append([self._lru_id, rest, 0])
         return True
 
     def _pin_prefix(self, s: Seq, k: int) -> None:
@@ -242,6 +312,25 @@ class Engine:
                 else:
                     pinned.add(h)
         s.pinned = max(s.pinned, k)
+
+    def _hold(self, hs: list[int]) -> None:
+        """Running blocks with hashes ``hs`` (computed or loaded) become pinned cache entries."""
+        stamp, pinned = self.stamp, self.pinned
+        if stamp.keys().isdisjoint(hs):
+            stamp.update(dict.fromkeys(hs, 0))
+            pinned.update(hs)
+            self._stored.extend(hs)
+            return
+        ref2, stored = self.ref2, self._stored
+        for h in hs:
+            if h in pinned:
+                ref2[h] = ref2.get(h, 0) + 1  # stored meanwhile by another sequence: share it
+            elif h in stamp:
+                pinned.add(h)
+            else:
+                stamp[h] = 0
+                pinned.add(h)
+                stored.append(h)
 
     def _blocks_for(self, s: Seq, tokens: int) -> int:
         """New blocks ``s`` needs to hold ``tokens`` tokens."""
@@ -275,23 +364,7 @@ class Engine:
         full = min(s.computed // self.bs, len(s.hashes))
         if full <= s.pinned:
             return
-        hs = s.hashes[s.pinned : full]
-        stamp, pinned = self.stamp, self.pinned
-        if stamp.keys().isdisjoint(hs):
-            stamp.update(dict.fromkeys(hs, 0))
-            pinned.update(hs)
-            self._stored.extend(hs)
-        else:
-            ref2, stored = self.ref2, self._stored
-            for h in hs:
-                if h in pinned:
-                    ref2[h] = ref2.get(h, 0) + 1  # stored meanwhile by another sequence: share it
-                elif h in stamp:
-                    pinned.add(h)
-                else:
-                    stamp[h] = 0
-                    pinned.add(h)
-                    stored.append(h)
+        self._hold(s.hashes[s.pinned : full])
         n = full - s.pinned
         s.pinned = full
         s.own -= n
@@ -318,6 +391,12 @@ class Engine:
     def start_pass(self, now: float) -> float | None:
         """Schedule the next pass; returns its end time, or None when idle."""
         cfg, bs = self.cfg, self.bs
+        self.now = now
+        if self.loading:
+            ready = [s for s in self.loading if s.ready_at <= now]
+            if ready:
+                self.loading = [s for s in self.loading if s.ready_at > now]
+                self.waiting.extendleft(reversed(ready))
         budget = cfg.max_batched_tokens
         cap = cfg.long_prefill_token_threshold or budget
         decode = [s for s in self.running if s.computed >= s.prompt]
@@ -337,10 +416,35 @@ class Engine:
             new_tokens += c
             attn += c * s.computed
             prefill.append(s)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_seqs:
+        tiers = self.tiers
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < cfg.max_seqs:
             s = self.waiting[0]
             if s.computed == 0 and s.pinned == 0:
-                k = min(self.hit_blocks(s.hashes), (s.prompt - 1) // bs)
+                limit = min((s.prompt - 1) // bs, len(s.hashes))
+                k = min(self.hit_blocks(s.hashes), limit)
+                if tiers is not None and k < limit:
+                    k2, n_host, n_store = tiers.probe(self.name, s.hashes, k, limit)
+                    if k2 > k:
+                        # load the rest of the prefix from the host tier / store (engine_ext)
+                        need = k2 - k
+                        room = self._spare() + self.cached_free_blocks - k
+                        if room < need:
+                            room += len(self.pinned.intersection(s.hashes[:k]))
+                            if room < need:
+                                break
+                        self._pin_prefix(s, k)
+                        self._room(need)
+                        hs = s.hashes[k:k2]
+                        self._hold(hs)
+                        s.pinned = k2
+                        s.computed = k2 * bs
+                        s.loaded += need * bs
+                        if s.cached_tokens < 0:
+                            s.cached_tokens = k2 * bs
+                        s.ready_at = tiers.load(self.name, hs, n_host, n_store, now)
+                        self.waiting.popleft()
+                        self.loading.append(s)
+                        continue
                 c = min(s.prompt - k * bs, budget, cap)
                 need = -(-(k * bs + c) // bs) - k
                 room = self._spare() + self.cached_free_blocks - k
@@ -368,6 +472,17 @@ class Engine:
             attn += c * s.computed
             prefill.append(s)
         if not prefill and not decode:
+            # loaded requests waiting for room hold their blocks: if nothing can run, the last of
+            # them gives its blocks back (recomputed / reloaded later), else the engine would stall
+            held = [s for s in self.waiting if s.pinned or s.own]
+            if held:
+                victim = held[-1]
+                self._release(victim)
+                victim.recomputed += victim.computed
+                victim.computed = 0
+                victim.chunk = 0
+                self.preemptions += 1
+                return self.start_pass(now)
             self.busy = False
             return None
         perf = cfg.perf
@@ -412,6 +527,7 @@ class Engine:
     def finish_pass(self, now: float) -> list[Seq]:
         """Apply the pass that ends at ``now``; returns the sequences that finished."""
         self.busy = False
+        self.now = now
         self.busy_s += now - self.pass_start
         n = self.pass_steps
         done: list[Seq] = []
@@ -446,6 +562,8 @@ class Engine:
             if s in self.running and need:
                 s.own += need
                 self.own_blocks += need
+        if self.tiers is not None and self._stored:
+            self.tiers.stored(self.name, self._stored, now)
         if self.on_kv_events is not None and (self._stored or self._removed):
             self.on_kv_events(self.name, self._stored, self._removed)
         self._stored, self._removed = [], []

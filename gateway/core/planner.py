@@ -3,11 +3,19 @@
 ``plan_after_turn(turn, engines, matches, params) -> PlanAction``, pure. Rules, first match wins:
 
 1. ``release``: the session ended -> unpin everything it holds.
-2. ``replicate``: a fan-out of ``N >= 2`` is announced -> prefetch the shared prefix onto the
-   ``N - 1`` best other engines (warm or ``any`` role, healthy, queue <= ``max_target_queue``;
-   best = most prefix already held, then shortest queue), and pin it at home.
+2. ``replicate``: a main agent's turn announces a fan-out of ``N >= 2`` (a subagent's own requests
+   carry the hint too and never replicate) -> prefetch the shared prefix onto the ``N - 1`` best
+   other engines, and pin it at home.
 3. ``move`` (``first_turn_to_warm``): the turn ran in a ``first_turn`` pool and a warm engine
    exists -> prefetch onto the best warm engine during the tool gap; the next turn goes there.
+   Attempted even when the copy may not finish within the gap: the next turn never waits for it,
+   and what was copied is not lost (measured in the simulator, 8x64x10 Weka, 2+6 pools: p90 TTFT
+   393 ms attempting every move vs 671 ms moving only when the copy fits the gap).
+
+Targets are warm or ``any`` engines, healthy, queue <= ``max_target_queue``, with room for the
+prefix (``kv_usage + blocks / capacity_blocks <= 1`` when the capacity is known), ranked by the
+prefix already in device memory, then anywhere (medium-weighted), then the least KV in use, the
+shortest queue and the name.
 4. ``demote``: the expected gap exceeds ``demote_after_s`` -> do not hold device memory for
    it; keep the KV pinned in the host tier / Mooncake for ``gap + pin_margin_s``.
 5. ``move`` (``rebalance``): home's queue exceeds ``rebalance_queue``, a target's queue is at most
@@ -55,6 +63,8 @@ class TurnOutcome:
     context_tokens: int
     gap_s: float
     fan_out: int = 0
+    is_subagent: bool = False
+    block_size: int = 128
     ended: bool = False
 
 
@@ -69,17 +79,36 @@ class PlanAction:
 
 
 def _rank(
-    engines: Sequence[EngineView], matches: dict[str, PrefixMatch], exclude: str, params: PlannerParams
+    engines: Sequence[EngineView],
+    matches: dict[str, PrefixMatch],
+    turn: TurnOutcome,
+    params: PlannerParams,
 ) -> list[EngineView]:
+    blocks = -(-turn.context_tokens // turn.block_size)
+
+    def room(e: EngineView) -> bool:
+        return e.capacity_blocks <= 0 or e.kv_usage + blocks / e.capacity_blocks <= 1.0
+
     ok = [
         e
         for e in engines
         if e.healthy
-        and e.name != exclude
+        and e.name != turn.home
         and e.role != PoolRole.FIRST_TURN
         and e.queue <= params.max_target_queue
+        and room(e)
     ]
-    return sorted(ok, key=lambda e: (-(matches[e.name].blocks if e.name in matches else 0), e.queue, e.name))
+    none = PrefixMatch()
+    return sorted(
+        ok,
+        key=lambda e: (
+            -matches.get(e.name, none).gpu_blocks,
+            -matches.get(e.name, none).weighted_blocks,
+            e.kv_usage,
+            e.queue,
+            e.name,
+        ),
+    )
 
 
 def plan_after_turn(
@@ -90,25 +119,22 @@ def plan_after_turn(
 ) -> PlanAction:
     home = next((e for e in engines if e.name == turn.home), None)
     pin = min(turn.gap_s + params.pin_margin_s, params.max_pin_s)
+    move_s = turn.context_tokens * params.kv_bytes_per_token / params.move_bytes_per_s
+    sid, src = turn.session_id, turn.home
     if turn.ended:
-        return PlanAction(ActionKind.RELEASE, turn.session_id, turn.home, reason="session_end")
-    if turn.fan_out >= 2:
-        targets = tuple(e.name for e in _rank(engines, matches, turn.home, params)[: turn.fan_out - 1])
+        return PlanAction(ActionKind.RELEASE, sid, src, reason="session_end")
+    if turn.fan_out >= 2 and not turn.is_subagent:
+        targets = tuple(e.name for e in _rank(engines, matches, turn, params)[: turn.fan_out - 1])
         if targets:
-            return PlanAction(ActionKind.REPLICATE, turn.session_id, turn.home, targets, pin, "fan_out")
+            return PlanAction(ActionKind.REPLICATE, sid, src, targets, pin, "fan_out")
     if home is not None and home.role == PoolRole.FIRST_TURN:
-        ranked = _rank(engines, matches, turn.home, params)
+        ranked = _rank(engines, matches, turn, params)
         if ranked:
-            return PlanAction(
-                ActionKind.MOVE, turn.session_id, turn.home, (ranked[0].name,), pin, "first_turn_to_warm"
-            )
+            return PlanAction(ActionKind.MOVE, sid, src, (ranked[0].name,), pin, "first_turn_to_warm")
     if turn.gap_s > params.demote_after_s:
-        return PlanAction(ActionKind.DEMOTE, turn.session_id, turn.home, (), pin, "long_gap")
-    if home is not None and home.queue > params.rebalance_queue:
-        move_s = turn.context_tokens * params.kv_bytes_per_token / params.move_bytes_per_s
-        ranked = [e for e in _rank(engines, matches, turn.home, params) if e.queue * 2 <= home.queue]
-        if ranked and move_s < turn.gap_s:
-            return PlanAction(
-                ActionKind.MOVE, turn.session_id, turn.home, (ranked[0].name,), pin, "rebalance"
-            )
-    return PlanAction(ActionKind.STAY, turn.session_id, turn.home, (), pin, "stay")
+        return PlanAction(ActionKind.DEMOTE, sid, src, (), pin, "long_gap")
+    if home is not None and home.queue > params.rebalance_queue and move_s < turn.gap_s:
+        ranked = [e for e in _rank(engines, matches, turn, params) if e.queue * 2 <= home.queue]
+        if ranked:
+            return PlanAction(ActionKind.MOVE, sid, src, (ranked[0].name,), pin, "rebalance")
+    return PlanAction(ActionKind.STAY, sid, src, (), pin, "stay")

@@ -444,6 +444,8 @@ class GatewayService:
             context_tokens=rec.context_tokens,
             gap_s=self._expected_gap(hints, rec),
             fan_out=hints.fan_out or 0,
+            is_subagent=hints.is_subagent,
+            block_size=self.block_sizes.get(parsed_model, 128),
         )
         index = self.index if parsed_model in self.tokenizers else self.approx
         action = plan_after_turn(

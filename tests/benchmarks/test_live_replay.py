@@ -145,7 +145,8 @@ def test_replay_runs_end_to_end_with_hints_and_metrics(tmp_path: Path, fake_gate
                 assert by_idx[r.idx].t_arrive + 1e-3 >= by_idx[d.on].t_last + d.delay_s
     assert all(r.engine == "f0" for r in records)
     assert [r.output_tokens for r in sorted(records, key=lambda r: r.idx)] == [4, 3, 3, 5, 5]
-    assert m.ttft_p50_ms > 0 and m.interactivity_p90 > 0 and m.makespan_s > 0.3
+    assert m.ttft_p50_ms > 0 and m.interactivity_p90 > 0
+    assert m.makespan_s >= max(r.t_last for r in records) - min(r.t_arrive for r in records) - 1e-6
     assert 0 < m.ideal_hit_rate < 1 and m.hit_rate == 0.0  # the stand-in reports no cached tokens
     assert m.engines_used == {"f0": 5}
     # the hints reached the gateway: sessions, parent and child, turns

@@ -160,3 +160,90 @@ def test_dynamo_driver_reports_a_missing_interpreter(tmp_path):
 
     with pytest.raises(DynamoUnavailable, match="no Dynamo interpreter"):
         run_dynamo([("4x16x1", "kv_router")], traces=tmp_path, python=str(tmp_path / "nope"))
+
+
+# -- inter-turn planner (gateway.core.planner) in the simulator ------------------------------------
+
+
+def _two_turn_play(first_tokens=64 * 40, gap_s=30.0):
+    """One session: a large first turn, then a small follow-up after ``gap_s``."""
+    from benchmarks.sim.traces import Dep, Play, TraceRequest
+
+    h1 = list(range(1000, 1000 + first_tokens // 64))
+    h2 = h1 + [5000, 5001]
+    r0 = TraceRequest(0, "root", 0.0, first_tokens, 8, h1, api_time=1.0)
+    r1 = TraceRequest(
+        1, "root", 0.0, first_tokens + 64 * 2, 8, h2, deps=[Dep(0, "completion", gap_s)], gap_s=gap_s
+    )
+    return [Play("p0", 64, [r0, r1])]
+
+
+def _planner_sim(plays, planner, **kw):
+    from benchmarks.sim.tiers import TiersConfig
+    from gateway.core.router import RoutingParams
+
+    cfg = SimConfig(
+        workers=3,
+        lanes=1,
+        profile="agentic",
+        hints=True,
+        first_turn_workers=1,
+        tiers=TiersConfig(host_blocks=4096, **kw),
+        routing=RoutingParams(profile="agentic", first_turn_threshold_tokens=1024),
+    )
+    return simulate(plays, cfg, planner)
+
+
+def test_planner_moves_a_first_turn_session_to_the_warm_pool_before_its_next_turn():
+    from benchmarks.sim.migrations import SimMigrations
+
+    plays = _two_turn_play()
+    mig = SimMigrations()
+    sim = _planner_sim(plays, mig)
+    first, second = sorted(sim.records, key=lambda r: r.idx)
+    assert first.engine == "w0"  # the first-turn pool
+    assert mig.actions["move:first_turn_to_warm"] == 1
+    assert mig.stats["move_done"] == 1 and sim.migrations == 1
+    assert sim.kv_bytes_moved > 0
+    assert mig.moved_next == [("p0", 1)]
+    assert second.engine != "w0" and second.reason == "sticky"
+    # the prefix was prefetched onto the target: the next turn finds it on device, loads nothing
+    assert second.loaded_tokens == 0 and second.cached_tokens == 64 * 40
+    assert summarize(sim, plays).migrations == 1
+
+
+def test_without_planner_the_next_turn_loads_its_prefix_on_demand():
+    plays = _two_turn_play()
+    sim = _planner_sim(plays, None)
+    second = max(sim.records, key=lambda r: r.idx)
+    assert second.engine != "w0" and second.loaded_tokens == 64 * 40
+    assert sim.migrations == 0 and sim.kv_bytes_moved == 0
+
+
+def test_a_next_turn_arriving_first_cancels_the_move():
+    from benchmarks.sim.migrations import SimMigrations
+    from gateway.core.planner import PlannerParams
+
+    # the planner expects the copy to fit in the 10 ms gap (it assumes a fast link); the store is
+    # slow, so the next turn arrives before the prefetch completes
+    plays = _two_turn_play(gap_s=0.01)
+    mig = SimMigrations(params=PlannerParams(move_bytes_per_s=1e15))
+    sim = _planner_sim(plays, mig, store_gbps=0.5)
+    assert mig.actions["move:first_turn_to_warm"] == 1
+    assert mig.stats["move_cancelled"] == 1 and mig.stats["cancelled:next_turn_arrived"] == 1
+    assert mig.stats["move_done"] == 0 and sim.migrations == 0 and mig.moved_next == []
+
+
+def test_planner_runs_are_deterministic_and_engines_load_from_tiers():
+    from benchmarks.sim.migrations import SimMigrations
+
+    plays = _small(4, seed=2)
+
+    def run():
+        sim = _planner_sim(plays, SimMigrations())
+        return summarize(sim, plays).as_dict(), sim.tiers.loaded_store_blocks
+
+    a, b = run(), run()
+    assert a == b
+    assert a[0]["kv_bytes_moved"] > 0 and a[0]["migrations"] > 0
+    assert a[0]["requests"] == sum(len(p.requests) for p in plays)  # nothing stalls

@@ -14,6 +14,7 @@ W1 = EngineView("w1", "warm", PoolRole.WARM, M, running=3)
 W2 = EngineView("w2", "warm", PoolRole.WARM, M, running=1)
 HOT = EngineView("w0", "warm", PoolRole.WARM, M, running=40)
 DOWN = EngineView("w2", "warm", PoolRole.WARM, M, healthy=False)
+FULL = EngineView("w0", "warm", PoolRole.WARM, M, kv_usage=0.95, capacity_blocks=100)
 P = PlannerParams()
 
 
@@ -37,6 +38,12 @@ def turn(home: str = "w0", gap: float = 10.0, **kw: object) -> TurnOutcome:
         ),
         (turn("f0"), [F0, DOWN], {}, ActionKind.STAY, (), "stay"),
         (turn(fan_out=3), [W0, W1, W2, F0], {}, ActionKind.REPLICATE, ("w2", "w1"), "fan_out"),
+        # a subagent's own requests carry the fan-out hint too: no replication from them
+        (turn(fan_out=3, is_subagent=True), [W0, W1, W2], {}, ActionKind.STAY, (), "stay"),
+        # a first turn moves even when the copy may not finish within the gap (never waited on)
+        (turn("f0", gap=0.05), [F0, W0, W1], {}, ActionKind.MOVE, ("w0",), "first_turn_to_warm"),
+        # a target without room for the prefix is skipped
+        (turn("f0"), [F0, FULL, W1], {}, ActionKind.MOVE, ("w1",), "first_turn_to_warm"),
         (turn(gap=600), [W0, W1], {}, ActionKind.DEMOTE, (), "long_gap"),
         # hot home, cold target, moving 50K tokens (0.2 s at 2 GB/s) fits in a 10 s gap
         (turn(), [HOT, W2], {}, ActionKind.MOVE, ("w2",), "rebalance"),
