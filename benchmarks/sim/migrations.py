@@ -131,6 +131,8 @@ class SimMigrations:
             context_tokens=srec.context_tokens,
             gap_s=gap,
             fan_out=record.fan_out,
+            is_subagent=srec.parent is not None,
+            block_size=sim.cfg.engine.block_size,
         )
         action = plan_after_turn(turn, sim.views(), sim.index.match(hashes), p)
         self.submit(sim, action, hashes)
