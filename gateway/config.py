@@ -7,6 +7,7 @@ one message naming the key (see :func:`load_config`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from gateway.core.planner import PlannerParams
+from gateway.core.router import RoutingParams
 
 PoolRole = Literal["first_turn", "warm", "any"]
 
@@ -90,21 +94,17 @@ class RoutingConfig(_Strict):
     saturation_max_queue: int = Field(64, ge=0)
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
-    weights: dict[str, float] = Field(
-        default_factory=lambda: {
-            "prefix": 3.0,
-            "session_affinity": 2.0,
-            "parent_prefix": 1.5,
-            "spread": 1.0,
-            "queue": 1.0,
-            "kv_usage": 0.5,
-        }
-    )
+    weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
+    """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False
     """Forward hinted priority as vLLM's ``priority`` (engines run --scheduling-policy priority)."""
     approx_chunk_chars: int = Field(512, gt=0)
     index_capacity_blocks: int = Field(1 << 20, gt=0)
     """Per engine: blocks remembered by the prefix index."""
+
+    def params(self) -> RoutingParams:
+        """The pure router's parameters (the fields both share)."""
+        return RoutingParams(**_shared(self, RoutingParams))
 
 
 class SessionsConfig(_Strict):
@@ -135,6 +135,15 @@ class MigrationConfig(_Strict):
     max_target_queue: int = Field(8, ge=0)
     kv_bytes_per_token: int = Field(8192, gt=0)
     move_bytes_per_s: float = Field(2e9, gt=0)
+
+    def params(self) -> PlannerParams:
+        """The pure planner's parameters (the fields both share)."""
+        return PlannerParams(**_shared(self, PlannerParams))
+
+
+def _shared(model: BaseModel, target: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(target)}
+    return {k: v for k, v in model.model_dump().items() if k in names}
 
 
 class GatewayConfig(BaseSettings):

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway.api import admin_routes, agent_routes
 from gateway.api.openai_routes import CompletionsEndpoint, ServiceHolder
 from gateway.config import GatewayConfig
-from gateway.core.router import Router, RoutingParams
+from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
 from gateway.service.cluster import Cluster
 from gateway.service.gateway import GatewayService
@@ -54,18 +54,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         upstream = make_upstream(config, transport)
         cluster = Cluster(config, upstream.http)
         metrics = GatewayMetrics()
-        r = config.routing
-        router = Router(
-            RoutingParams(
-                profile=r.profile,
-                first_turn_threshold_tokens=r.first_turn_threshold_tokens,
-                sticky_max_queue=r.sticky_max_queue,
-                saturation_max_queue=r.saturation_max_queue,
-                prefill_s_per_token=r.prefill_s_per_token,
-                queue_s_per_request=r.queue_s_per_request,
-                weights=dict(r.weights),
-            )
-        )
+        router = Router(config.routing.params())
         s = config.sessions
         sessions: SessionStore = (
             RedisSessionStore(s.redis_url, s.capacity, s.ttl_s)

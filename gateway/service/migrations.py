@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.config import MigrationConfig
-from gateway.core.planner import ActionKind, PlanAction, PlannerParams
+from gateway.core.planner import ActionKind, PlanAction
 from gateway.service.cluster import Cluster
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.session_store import SessionStore
@@ -54,19 +54,6 @@ class Migration:
         }
 
 
-def planner_params(c: MigrationConfig) -> PlannerParams:
-    return PlannerParams(
-        pin_margin_s=c.pin_margin_s,
-        max_pin_s=c.max_pin_s,
-        demote_after_s=c.demote_after_s,
-        default_gap_s=c.default_gap_s,
-        rebalance_queue=c.rebalance_queue,
-        max_target_queue=c.max_target_queue,
-        kv_bytes_per_token=c.kv_bytes_per_token,
-        move_bytes_per_s=c.move_bytes_per_s,
-    )
-
-
 class MigrationExecutor:
     def __init__(
         self,
@@ -78,7 +65,7 @@ class MigrationExecutor:
         clock: Callable[[], float],
     ) -> None:
         self.config = config
-        self.params = planner_params(config)
+        self.params = config.params()
         self.client = client
         self.cluster = cluster
         self.sessions = sessions
