@@ -142,6 +142,11 @@ class CompletionsEndpoint:
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
             with contextlib.suppress(Exception):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            # the server's send() raised (ASGI 2.4: the client connection is closed) before the
+            # disconnect watcher fired: the same outcome
+            status = "499"
+            svc.metrics.client_disconnects.labels(up.engine).inc()
         finally:
             state["done"] = True
             watch.cancel()

@@ -75,6 +75,7 @@ class Analysis:
     """True when tokens and hashes are exact (a tokenizer is configured for the model)."""
     record: SessionRecord | None
     warning: str | None = None
+    parent: SessionRecord | None = None
 
 
 @dataclass(slots=True)
@@ -218,7 +219,7 @@ class GatewayService:
             n_tokens = parsed.text_chars // 4
             block_size, index = max(1, self.config.routing.approx_chunk_chars // 4), self.approx
         matches = index.match(hashes)
-        parent_home, parent_matches = None, {}
+        parent_home, parent_matches, parent = None, {}, None
         parent_id = hints.parent_session_id
         if parent_id is not None:
             parent = await self.sessions.get(parent_id, now)
@@ -255,7 +256,7 @@ class GatewayService:
             parent_matches=parent_matches,
             siblings=siblings,
         )
-        return Analysis(hints, req, snap, hashes, tok is not None, rec, warning)
+        return Analysis(hints, req, snap, hashes, tok is not None, rec, warning, parent)
 
     def decide(self, a: Analysis) -> Decision:
         try:
@@ -290,21 +291,32 @@ class GatewayService:
         if h.session_id is None:
             return
         now = self.clock()
-        rec = a.record or SessionRecord(h.session_id, created=now, last_activity=now)
-        rec.home, rec.pool = d.engine, d.pool
-        rec.parent = h.parent_session_id or rec.parent
-        rec.inflight += 1
-        rec.cached_tokens_est = d.cached_tokens
-        if h.expected_tool_latency_ms is not None:
-            rec.expected_gap_s = h.expected_tool_latency_ms / 1000
-        rec.last_decision = decision_dict(d)
-        await self.sessions.put(rec)
-        if h.parent_session_id is not None:
-            parent = await self.sessions.get(h.parent_session_id, now)
-            if parent is not None and h.session_id not in parent.children:
-                parent.add_child(h.session_id)
-                await self.sessions.put(parent)
-            sib = self._siblings.setdefault(h.parent_session_id, Counter())
+        sid, parent_id = h.session_id, h.parent_session_id
+
+        def place(rec: SessionRecord | None) -> SessionRecord:
+            if rec is None or rec.ended:
+                rec = SessionRecord(sid, created=now, last_activity=now)
+            rec.home, rec.pool = d.engine, d.pool
+            rec.parent = parent_id or rec.parent
+            rec.inflight += 1
+            rec.cached_tokens_est = d.cached_tokens
+            if h.expected_tool_latency_ms is not None:
+                rec.expected_gap_s = h.expected_tool_latency_ms / 1000
+            rec.last_decision = decision_dict(d)
+            return rec
+
+        await self.sessions.update(sid, now, place)
+        if parent_id is not None:
+            if a.parent is not None and sid not in a.parent.children:
+
+                def adopt(parent: SessionRecord | None) -> SessionRecord | None:
+                    if parent is None or sid in parent.children:
+                        return None
+                    parent.add_child(sid)
+                    return parent
+
+                await self.sessions.update(parent_id, now, adopt)
+            sib = self._siblings.setdefault(parent_id, Counter())
             sib[d.engine] += 1
             if len(self._siblings) > MAX_SIBLING_PARENTS:
                 self._siblings.pop(next(iter(self._siblings)))
@@ -411,19 +423,23 @@ class GatewayService:
         if h.session_id is None:
             return
         now = self.clock()
-        rec = await self.sessions.get(h.session_id, now)
-        if rec is None:
-            return
-        rec.inflight = max(0, rec.inflight - 1)
-        if engine is not None and engine != rec.home:
-            rec.home = engine  # a retry moved it
-        if ok:
-            rec.record_turn(now, a.request.prompt_tokens, a.hashes)
+        planned = plan.decision.engine
+
+        def settle(rec: SessionRecord | None) -> SessionRecord | None:
+            if rec is None:
+                return None
+            rec.inflight = max(0, rec.inflight - 1)
+            if engine is not None and engine != planned and rec.home == planned:
+                rec.home = engine  # a retry moved it (and no newer placement did)
+            if ok:
+                rec.record_turn(now, a.request.prompt_tokens, a.hashes)
+            return rec
+
         if h.session_end:
             await self.end_session(h.session_id)
             return
-        await self.sessions.put(rec)
-        if ok and engine is not None:
+        rec = await self.sessions.update(h.session_id, now, settle)
+        if rec is not None and ok and engine is not None:
             self.after_turn(rec, h, engine, parsed_model=a.request.model)
 
     def _expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
@@ -470,15 +486,18 @@ class GatewayService:
 
     async def update_hints(self, session_id: str, hints: AgentHints) -> SessionRecord:
         now = self.clock()
-        rec = await self.sessions.get(session_id, now) or SessionRecord(
-            session_id, created=now, last_activity=now
-        )
-        if hints.expected_tool_latency_ms is not None:
-            rec.expected_gap_s = hints.expected_tool_latency_ms / 1000
-        if hints.parent_session_id is not None:
-            rec.parent = hints.parent_session_id
-        rec.last_activity = now
-        await self.sessions.put(rec)
+
+        def apply(rec: SessionRecord | None) -> SessionRecord:
+            rec = rec or SessionRecord(session_id, created=now, last_activity=now)
+            if hints.expected_tool_latency_ms is not None:
+                rec.expected_gap_s = hints.expected_tool_latency_ms / 1000
+            if hints.parent_session_id is not None:
+                rec.parent = hints.parent_session_id
+            rec.last_activity = now
+            return rec
+
+        rec = await self.sessions.update(session_id, now, apply)
+        assert rec is not None  # apply always returns a record
         return rec
 
     def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:

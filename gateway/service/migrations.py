@@ -22,6 +22,7 @@ import httpx
 
 from gateway.config import MigrationConfig
 from gateway.core.planner import ActionKind, PlanAction
+from gateway.core.sessions import SessionRecord
 from gateway.service.cluster import Cluster
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.session_store import SessionStore
@@ -193,9 +194,12 @@ class MigrationExecutor:
                 self.recent.append(m)
 
     async def _rehome(self, session_id: str, source: str, target: str) -> None:
-        rec = await self.sessions.get(session_id, self.clock())
-        if rec is None or rec.ended or rec.home != source or rec.inflight:
-            return  # ended, or a newer placement won: leave it
-        rec.home = target
-        rec.pool = self.cluster.engines[target].pool
-        await self.sessions.put(rec)
+        pool = self.cluster.engines[target].pool
+
+        def rehome(rec: SessionRecord | None) -> SessionRecord | None:
+            if rec is None or rec.ended or rec.home != source or rec.inflight:
+                return None  # ended, or a newer placement won: leave it
+            rec.home, rec.pool = target, pool
+            return rec
+
+        await self.sessions.update(session_id, self.clock(), rehome)

@@ -1,23 +1,34 @@
 """Session storage behind one small async protocol: in memory (default) or Redis, so several
 gateway replicas agree on placement.
 
+``update(id, now, fn)`` is the read-modify-write every writer uses: ``fn`` gets the current record
+(or None) and returns the record to store (or None to leave it), so concurrent writers (the end of
+one turn, the placement of the next, on different replicas) never lose each other's fields.
+
 Memory: the core :class:`~gateway.core.sessions.SessionTable` (capacity + TTL, LRU).
 Redis: one JSON value per session under ``<prefix>s:<id>`` with the TTL as its expiry, and a
-sorted set ``<prefix>lru`` (score = last activity) trimmed to ``capacity`` on every write.
+sorted set ``<prefix>lru`` (score = last activity) trimmed to ``capacity`` on every write;
+``update`` is an optimistic transaction (WATCH / MULTI, retried on conflict).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from gateway.core.sessions import SessionRecord, SessionTable
+
+Mutation = Callable[[SessionRecord | None], SessionRecord | None]
 
 
 class SessionStore(Protocol):
     async def get(self, session_id: str, now: float) -> SessionRecord | None: ...
+
+    async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None: ...
 
     async def put(self, rec: SessionRecord) -> None: ...
 
@@ -35,6 +46,12 @@ class MemorySessionStore:
 
     async def put(self, rec: SessionRecord) -> None:
         self.table.put(rec)
+
+    async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
+        rec = fn(self.table.get(session_id, now))
+        if rec is not None:
+            self.table.put(rec)
+        return rec
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         return self.table.remove(session_id)
@@ -60,13 +77,33 @@ class RedisSessionStore:
         return SessionRecord.from_dict(orjson.loads(raw))
 
     async def put(self, rec: SessionRecord) -> None:
-        lru = f"{self.prefix}lru"
+        await self.update(rec.session_id, rec.last_activity, lambda _old: rec)
+
+    async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
+        key, lru = self._key(session_id), f"{self.prefix}lru"
         async with self.redis.pipeline(transaction=True) as p:
-            p.set(self._key(rec.session_id), orjson.dumps(rec.to_dict()), px=self.ttl_ms)
-            p.zadd(lru, {rec.session_id: rec.last_activity})
-            p.zcard(lru)
-            res = await p.execute()
-        excess = int(res[-1]) - self.capacity
+            while True:
+                try:
+                    await p.watch(key)
+                    raw = await p.get(key)
+                    rec = fn(SessionRecord.from_dict(orjson.loads(raw)) if raw is not None else None)
+                    if rec is None:
+                        await p.unwatch()
+                        return None
+                    p.multi()
+                    p.set(key, orjson.dumps(rec.to_dict()), px=self.ttl_ms)
+                    p.zadd(lru, {session_id: rec.last_activity})
+                    p.zcard(lru)
+                    res = await p.execute()
+                    break
+                except WatchError:
+                    continue
+        await self._trim(int(res[-1]))
+        return rec
+
+    async def _trim(self, size: int) -> None:
+        lru = f"{self.prefix}lru"
+        excess = size - self.capacity
         if excess > 0:
             old = await self.redis.zpopmin(lru, excess)
             if old:
