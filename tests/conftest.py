@@ -3,10 +3,12 @@ uvicorn on loopback. Everything is started here and stopped at the end of the se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -153,6 +155,27 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaste
         pytest.fail(f"{exc} (./scripts/setup.sh installs it)")
     with master:
         yield master
+
+
+@contextlib.contextmanager
+def fake_engine(*args: str) -> Iterator[str]:
+    """The benchmarks' stand-in OpenAI engine (no model) as a subprocess; yields its URL."""
+    from benchmarks._common import free_port, wait_http_ok
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), *args],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + "/health", 10, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(5)
 
 
 @pytest.fixture(scope="session")

@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks._common import free_port, wait_http_ok
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import fake_engine
 
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", "m"],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(url + "/health", 10, proc)
+    with fake_engine("--model", "m") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 def _events(text: str) -> list[str]:

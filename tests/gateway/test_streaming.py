@@ -6,50 +6,21 @@ behind), so this uses the stand-in engine with a fixed inter-token delay behind 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks._common import free_port, wait_http_ok
-from tests.conftest import ServedGateway, wait_ready
+from tests.conftest import ServedGateway, fake_engine, wait_ready
 
-REPO = Path(__file__).resolve().parents[2]
 CHUNKS, ITL_MS = 16, 60
 
 
 @pytest.fixture(scope="module")
 def paced_engine() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.fake_engine",
-            "--port",
-            str(port),
-            "--model",
-            "m",
-            "--tokens",
-            str(CHUNKS),
-            "--itl-ms",
-            str(ITL_MS),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(url + "/health", 10, proc)
+    with fake_engine("--model", "m", "--tokens", str(CHUNKS), "--itl-ms", str(ITL_MS)) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 def test_each_chunk_is_relayed_as_the_engine_sends_it(paced_engine: str) -> None:
