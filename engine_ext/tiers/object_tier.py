@@ -365,9 +365,10 @@ class ObjectStoreTier(SecondaryTierManager):
                     rcs[i] = rc
         ok = all(rc >= 0 for rc in rcs)
         elapsed = time.perf_counter() - start
-        nbytes = size * sum(1 for rc in rcs if rc >= 0)
+        stored = sum(1 for rc in rcs if rc >= 0)
+        nbytes = size * stored
         self.counters.stored_bytes += nbytes
-        self.counters.stored_chunks += len(names)
+        self.counters.stored_chunks += stored
         self.counters.store_seconds += elapsed
         self._count(M_STORED_BYTES, nbytes)
         self._observe(M_STORE_LATENCY, elapsed)
