@@ -18,7 +18,7 @@ import aiohttp
 
 from gateway.errors import ApiError
 from gateway.protocol import parse_body
-from gateway.service.gateway import GatewayService, Upstream
+from gateway.service.gateway import GatewayService, Plan, Relay
 from gateway.service.proxy import RESPONSE_DROP
 
 log = logging.getLogger("agentgw.api")
@@ -99,7 +99,7 @@ class CompletionsEndpoint:
                 up.response.close()
 
     async def _relay(
-        self, svc: GatewayService, plan: Any, up: Upstream, t0: float, receive: Any, send: Any
+        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, receive: Any, send: Any
     ) -> None:
         resp = up.response
         headers = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in RESPONSE_DROP]
