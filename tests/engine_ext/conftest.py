@@ -25,6 +25,7 @@ from tests.engine_ext.offload_support import (
     HOST_CHUNKS,
     HYBRIDS,
     Engine,
+    running_engines,
 )
 
 PORTS = range(22600, 23000)
@@ -101,12 +102,5 @@ def hybrid_engines(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         )
         for i, (arch, (blocks, _, _)) in enumerate(HYBRIDS.items())
     ]
-    started = start_engines(specs, timeout_s=300)
-    try:
-        yield {
-            s.name: Engine(s.name, s.url, f"http://127.0.0.1:{ports[2 + i]}", e, None)
-            for i, (s, e) in enumerate(zip(specs, started, strict=True))
-        }
-    finally:
-        for e in started:
-            e.stop()
+    with running_engines(specs, ports[2 : 2 + len(specs)]) as engines:
+        yield engines

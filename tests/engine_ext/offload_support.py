@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from gateway.local.engines import LocalEngine
+from gateway.local.engines import EngineSpec, LocalEngine, start_engines
 from gateway.local.tiny_model import VOCAB_SIZE
 
 HOST_CHUNKS = 96
@@ -75,3 +77,24 @@ def metrics(engine: Engine) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@contextlib.contextmanager
+def running_engines(specs: Sequence[EngineSpec], control_ports: Sequence[int]) -> Iterator[dict[str, Engine]]:
+    """Start the engines (their control APIs on ``control_ports``), yield handles by name, stop them."""
+    started = start_engines(specs, timeout_s=300)
+    try:
+        yield {
+            s.name: Engine(s.name, s.url, f"http://127.0.0.1:{port}", e, s.kv_events_endpoint)
+            for s, e, port in zip(specs, started, control_ports, strict=True)
+        }
+    finally:
+        for e in started:
+            e.stop()
+
+
+def tier_stats(engine: Engine) -> dict[str, float]:
+    """The Mooncake tier's counters from the engine's control API."""
+    r = httpx.get(f"{engine.control_url}/v1/kv/stats", headers=AUTH, timeout=30)
+    r.raise_for_status()
+    return r.json()["tiers"]["MooncakeTier"]

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from engine_ext import config
@@ -23,13 +22,13 @@ from gateway.local.engines import EngineSpec, free_ports, start_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import SERVE_ARGS, build_tiny_model
 from tests.engine_ext.offload_support import (
-    AUTH,
     CONTROL_TOKEN,
     HYBRIDS,
     Engine,
     complete,
     delta,
     metrics,
+    tier_stats,
     tokens,
 )
 
@@ -39,12 +38,6 @@ PORTS = range(23000, 23200)
 # Hit granularity: Gemma3's 128-token blocks; Qwen3-Next's linear-attention state is kept (and
 # loaded) only at 1152-token "align" boundaries.
 ALIGN = {"gemma3": 128, "qwen3_next": 1152}
-
-
-def tier_stats(engine: Engine) -> dict[str, float]:
-    r = httpx.get(f"{engine.control_url}/v1/kv/stats", headers=AUTH, timeout=30)
-    r.raise_for_status()
-    return r.json()["tiers"]["MooncakeTier"]
 
 
 def wait_stores_settled(engine: Engine, quiet_s: float = 1.0, timeout_s: float = 20.0) -> dict[str, float]:

@@ -26,14 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from engine_ext import config
-from gateway.local.engines import EngineSpec, free_ports, start_engines
+from gateway.local.engines import EngineSpec, free_ports
 from gateway.local.mooncake import MooncakeMaster
 from tests.engine_ext.offload_support import (
-    AUTH,
     BLOCK,
     BLOCK_BYTES,
     CONTROL_TOKEN,
@@ -41,6 +39,8 @@ from tests.engine_ext.offload_support import (
     complete,
     delta,
     metrics,
+    running_engines,
+    tier_stats,
     tokens,
 )
 
@@ -52,12 +52,6 @@ HOST_CHUNKS = 24
 DEVICE_BLOCKS = 64
 PREFIX_BLOCKS = 10
 PROMPT = PREFIX_BLOCKS * BLOCK + 100  # 10 full blocks; max_tokens=1 completes no other block
-
-
-def tier_stats(engine: Engine) -> dict[str, float]:
-    r = httpx.get(f"{engine.control_url}/v1/kv/stats", headers=AUTH, timeout=30)
-    r.raise_for_status()
-    return r.json()["tiers"]["MooncakeTier"]
 
 
 def settled(engine: Engine, quiet_s: float = 1.0, timeout_s: float = 20.0) -> dict[str, float]:
@@ -109,15 +103,8 @@ def retention_engines(
                 extra_env=MooncakeMaster.client_env,
             )
         )
-    started = start_engines(specs, timeout_s=300)
-    try:
-        yield {
-            s.name: Engine(s.name, s.url, f"http://127.0.0.1:{ports[2 + i]}", e, None)
-            for i, (s, e) in enumerate(zip(specs, started, strict=True))
-        }
-    finally:
-        for e in started:
-            e.stop()
+    with running_engines(specs, ports[2 : 2 + len(specs)]) as engines:
+        yield engines
 
 
 Step = tuple[dict[str, float], dict[str, float]]  # (tier counters, engine metrics) after a step
