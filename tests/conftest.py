@@ -3,6 +3,7 @@ uvicorn on loopback. Everything is started here and stopped at the end of the se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -97,7 +98,12 @@ class ServedGateway:
         self.url = f"http://127.0.0.1:{port}"
         cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()  # for tests that call the app's ASGI interface
+        await self.server.serve()
 
     @property
     def service(self) -> Any:

@@ -49,6 +49,14 @@ async def read_body(receive: Any, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+async def wait_disconnect(receive: Any) -> None:
+    """Return when the client goes away. Any other message (a server may wake a waiting
+    ``receive()`` with an empty ``http.request``) is skipped, as Starlette's StreamingResponse
+    does: one stray message must not leave the relay blind to a later disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def send_error(send: Any, err: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = err.body()
     headers = [*err.headers(), (b"content-length", str(len(body)).encode()), *(extra or [])]
@@ -109,15 +117,14 @@ class CompletionsEndpoint:
         me = asyncio.current_task()
         state = {"done": False, "gone": False}
 
-        def on_receive(fut: asyncio.Future[Any]) -> None:
-            if fut.cancelled() or fut.exception() is not None or state["done"]:
+        def on_gone(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None or state["done"] or me is None:
                 return
-            if fut.result().get("type") == "http.disconnect" and me is not None:
-                state["gone"] = True
-                me.cancel()
+            state["gone"] = True
+            me.cancel()
 
-        watch = asyncio.ensure_future(receive())
-        watch.add_done_callback(on_receive)
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        watch.add_done_callback(on_gone)
         first = True
         status = str(resp.status)
         try:

@@ -134,6 +134,13 @@ def disconnects(gw: ServedGateway, engine: str) -> float:
     return 0.0
 
 
+def gateway_lines(gw: ServedGateway, engine: str) -> list[str]:
+    """The gateway's request and upstream-error samples for one engine (failure diagnostics)."""
+    text = httpx.get(gw.url + "/metrics").text
+    keep = ("agentgw_requests_total{", "agentgw_upstream_errors_total{", "agentgw_client_disconnects_total{")
+    return [ln for ln in text.splitlines() if ln.startswith(keep) and f'engine="{engine}"' in ln]
+
+
 def test_client_disconnect_aborts_upstream(gateway: ServedGateway, cluster: dict) -> None:
     """A client that goes away mid-stream: the gateway notices at once and closes its upstream
     connection, and vLLM aborts the request (generation stops far short of max_tokens, nothing is
@@ -156,13 +163,17 @@ def test_client_disconnect_aborts_upstream(gateway: ServedGateway, cluster: dict
             engine = cluster[name]
             seen = disconnects(gateway, name)
             before = engine_metric(engine.url, "vllm:generation_tokens_total")
-            for i, _line in enumerate(r.iter_lines()):
-                if i >= 5:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) > 5:
                     break
-        deadline = time.monotonic() + 5
+        assert len(lines) > 5, lines  # the stream was still running when the client left
+        deadline = time.monotonic() + 15
         while disconnects(gateway, name) == seen and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert disconnects(gateway, name) == seen + 1  # the gateway saw the client go
+        # the gateway saw the client go
+        assert disconnects(gateway, name) == seen + 1, gateway_lines(gateway, name)
         deadline = time.monotonic() + 30
         while engine_metric(engine.url, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -6,10 +6,12 @@ behind), so this uses the stand-in engine with a fixed inter-token delay behind 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import ServedGateway, fake_engine, wait_ready
@@ -41,3 +43,44 @@ def test_each_chunk_is_relayed_as_the_engine_sends_it(paced_engine: str) -> None
     span = arrivals[CHUNKS - 1] - arrivals[0]
     assert span >= 0.8 * (CHUNKS - 1) * ITL_MS / 1000, arrivals
     assert arrivals[0] < span / 2, arrivals
+
+
+def test_a_stray_receive_message_does_not_hide_a_later_disconnect(paced_engine: str) -> None:
+    """A server may wake a pending ``receive()`` with an empty ``http.request``; the relay must keep
+    watching and still stop when the client goes away (the ASGI app driven directly, on the served
+    gateway's own loop, so the messages are exactly these)."""
+    cfg = {
+        "pools": [{"name": "p", "role": "any", "engines": [{"name": "e", "url": paced_engine, "model": "m"}]}]
+    }
+    with ServedGateway(cfg) as gw:
+        wait_ready(gw.url)
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True})
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": [(b"content-type", b"application/json")],
+        }
+
+        async def drive() -> list[dict]:
+            inbox: asyncio.Queue[dict] = asyncio.Queue()
+            inbox.put_nowait({"type": "http.request", "body": body, "more_body": False})
+            inbox.put_nowait({"type": "http.request", "body": b"", "more_body": False})  # the stray one
+            sent: list[dict] = []
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+                if sum(1 for m in sent if m.get("body")) == 3:
+                    inbox.put_nowait({"type": "http.disconnect"})  # the client leaves after 3 chunks
+
+            await asyncio.wait_for(gw.app(scope, inbox.get, send), 20)
+            return sent
+
+        assert gw.loop is not None
+        sent = asyncio.run_coroutine_threadsafe(drive(), gw.loop).result(30)
+        chunks = [m for m in sent if m.get("body")]
+        # the engine had CHUNKS more to send, 60 ms apart: the relay stopped at the disconnect
+        assert 3 <= len(chunks) <= 5, len(chunks)
+        metrics = httpx.get(gw.url + "/metrics").text
+        assert 'agentgw_client_disconnects_total{engine="e"} 1.0' in metrics
+        assert 'status="499"' in metrics
