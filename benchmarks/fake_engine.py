@@ -64,6 +64,7 @@ class EngineState:
         self.num_running = 0
         self.num_unknown_paths = 0
         self.num_connections = 0
+        self.num_streams_cut = 0  # paced streams whose client left before the last chunk
         self._stream_events: dict[tuple[bool, int], list[bytes]] = {}
         self._framed: dict[tuple[bool, int], bytes] = {}
         self.models_body = orjson.dumps(
@@ -199,6 +200,9 @@ class EngineState:
             "# HELP fake_engine_connections_total TCP connections accepted since start.",
             "# TYPE fake_engine_connections_total counter",
             f"fake_engine_connections_total{label} {float(self.num_connections)}",
+            "# HELP fake_engine_streams_cut_total Paced streams whose connection closed mid-stream.",
+            "# TYPE fake_engine_streams_cut_total counter",
+            f"fake_engine_streams_cut_total{label} {float(self.num_streams_cut)}",
         ]
         return ("\n".join(lines) + "\n").encode()
 
@@ -246,6 +250,7 @@ class FakeEngineProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._delayed is not None:
+            self.state.num_streams_cut += 1
             self._delayed.cancel()
         self.transport = None
 

@@ -84,3 +84,15 @@ def test_a_stray_receive_message_does_not_hide_a_later_disconnect(paced_engine: 
         metrics = httpx.get(gw.url + "/metrics").text
         assert 'agentgw_client_disconnects_total{engine="e"} 1.0' in metrics
         assert 'status="499"' in metrics
+        # ... and closed its upstream connection mid-stream, which is what makes vLLM abort
+        deadline = time.monotonic() + 5
+        while streams_cut(paced_engine) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert streams_cut(paced_engine) == 1
+
+
+def streams_cut(engine: str) -> float:
+    for line in httpx.get(engine + "/metrics").text.splitlines():
+        if line.startswith("fake_engine_streams_cut_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the stand-in engine reports no fake_engine_streams_cut_total")
