@@ -146,12 +146,36 @@ def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[
     return env
 
 
+SHM_DIR = Path("/dev/shm")
+
+
+def with_engine_id(cmd: list[str], name: str) -> tuple[list[str], str | None]:
+    """Give a `--kv-transfer-config` without an `engine_id` a unique one; return it.
+
+    vLLM's CPU offload tier maps `/dev/shm/vllm_offload_<engine_id>.mmap` and removes it only on
+    a clean shutdown (a killed engine leaves it behind, tens of MB of RAM each). Knowing the id
+    lets `stop()` and `kill()` remove it once the process group is gone."""
+    try:
+        i = cmd.index("--kv-transfer-config")
+        kv = json.loads(cmd[i + 1])
+    except (ValueError, IndexError, json.JSONDecodeError):
+        return cmd, None
+    if not isinstance(kv, dict):
+        return cmd, None
+    if not kv.get("engine_id"):
+        kv["engine_id"] = f"agentgw-{name}-{os.getpid()}-{random.getrandbits(48):012x}"
+    out = list(cmd)
+    out[i + 1] = json.dumps(kv)
+    return out, str(kv["engine_id"])
+
+
 class LocalEngine:
     """One vLLM engine process group; `with LocalEngine(spec) as engine:` starts and stops it."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         self._proc: subprocess.Popen[bytes] | None = None
+        self.engine_id: str | None = None  # the kv-transfer engine_id, when it has one
 
     @property
     def url(self) -> str:
@@ -169,9 +193,10 @@ class LocalEngine:
         if self._proc is not None:
             raise EngineError(f"engine {self.spec.name} was already started")
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd, self.engine_id = with_engine_id(engine_command(self.spec), self.spec.name)
         with open(self.spec.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                engine_command(self.spec),
+                cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -212,6 +237,7 @@ class LocalEngine:
         self._signal_group(signal.SIGKILL)
         self._proc.wait()
         self._wait_group_gone(grace_s)
+        self._remove_shm()
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (for failure tests)."""
@@ -220,6 +246,12 @@ class LocalEngine:
         self._signal_group(signal.SIGKILL)
         self._proc.wait()
         self._wait_group_gone(STOP_GRACE_S)
+        self._remove_shm()
+
+    def _remove_shm(self) -> None:
+        if self.engine_id is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / f"vllm_offload_{self.engine_id}.mmap").unlink()
 
     def log_tail(self, num_bytes: int = _LOG_TAIL_BYTES) -> str:
         try:

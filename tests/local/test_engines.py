@@ -300,3 +300,15 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
 
 def test_stop_before_start_is_a_no_op(tmp_path: Path) -> None:
     LocalEngine(spec(tmp_path)).stop()
+
+
+def test_a_kv_transfer_config_gets_a_unique_engine_id_and_an_explicit_one_is_kept() -> None:
+    cmd = ["python", "-m", "x", "--kv-transfer-config", json.dumps({"kv_connector": "OffloadingConnector"})]
+    a, id_a = engines.with_engine_id(cmd, "warm0")
+    _, id_b = engines.with_engine_id(cmd, "warm0")
+    assert id_a and id_b and id_a != id_b and id_a.startswith("agentgw-warm0-")
+    assert json.loads(a[4]) == {"kv_connector": "OffloadingConnector", "engine_id": id_a}
+    assert cmd[4] == json.dumps({"kv_connector": "OffloadingConnector"})  # the input is not changed
+    explicit = ["--kv-transfer-config", json.dumps({"engine_id": "mine"})]
+    assert engines.with_engine_id(explicit, "e") == (explicit, "mine")
+    assert engines.with_engine_id(["--model", "m"], "e") == (["--model", "m"], None)

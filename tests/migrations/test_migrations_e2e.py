@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -158,7 +159,10 @@ def test_killing_the_target_mid_migration_leaves_the_session_served(
     mig = httpx.get(f"{kv_gateway.url}/v1/agent/sessions/kill-1").json()["migration"]
     assert mig["kind"] == "move"
     victim = kv_cluster[mig["targets"][0]][0]
+    shm = Path(f"/dev/shm/vllm_offload_{victim.engine_id}.mmap")
+    assert victim.engine_id is not None and shm.exists()  # its CPU tier's region
     victim.kill()
+    assert not shm.exists()  # removed with the killed engine, not left in RAM
     state = wait_migration(kv_gateway, "kill-1")
     m2 = m + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "continue"}]
     r2 = post(kv_gateway, m2, {"session_id": "kill-1"})
