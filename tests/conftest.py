@@ -99,7 +99,12 @@ class ServedGateway:
         cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
         self.server = uvicorn.Server(cfg)
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        # the loop uvicorn would pick (uvloop when installed), as `agentgw serve` runs
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+            runner.run(self._serve())
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()  # for tests that call the app's ASGI interface
