@@ -83,7 +83,9 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
                     "evictions_refused_for_pins": policy.num_pin_protected_evictions_refused,
                 },
                 "tiers": {
-                    t.tier_type: t.counters.snapshot() for t in tiers if isinstance(t, ObjectStoreTier)
+                    t.tier_type: {**t.counters.snapshot(), "jobs_in_flight": t.jobs_in_flight}
+                    for t in tiers
+                    if isinstance(t, ObjectStoreTier)
                 },
             }
 

@@ -259,6 +259,11 @@ class ObjectStoreTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         return self._inflight > 0
 
+    @property
+    def jobs_in_flight(self) -> int:
+        """Store and load jobs submitted to the I/O pool and not finished yet."""
+        return self._inflight
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events:
             events, self._events = self._events, []

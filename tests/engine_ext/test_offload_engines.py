@@ -198,6 +198,12 @@ def test_control_api_requires_token_and_pins_idempotently(engines: list[Engine])
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     stats = control(a, "GET", "/v1/kv/stats")
     assert {"host", "tiers"} <= set(stats) and "MooncakeTier" in stats["tiers"]
+    # every store and load job the earlier tests started has finished: the count is back to 0
+    deadline = time.monotonic() + 30
+    while stats["tiers"]["MooncakeTier"]["jobs_in_flight"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = control(a, "GET", "/v1/kv/stats")
+    assert stats["tiers"]["MooncakeTier"]["jobs_in_flight"] == 0
 
 
 def test_kv_events_report_the_medium_of_each_tier(engines: list[Engine]) -> None:
