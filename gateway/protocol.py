@@ -21,18 +21,36 @@ class ParsedRequest:
     """Characters of prompt text: the token estimate when no tokenizer is configured."""
 
 
-def _text_len(content: Any) -> int:
+def _content_len(content: Any, i: int) -> int:
+    """Characters of text in ``messages[i].content``; a shape vLLM would refuse (or the gateway
+    could not read) is a 400 naming the field."""
     if isinstance(content, str):
         return len(content)
-    if isinstance(content, list):
-        n = 0
-        for part in content:
-            if isinstance(part, dict):
-                t = part.get("text")
-                if isinstance(t, str):
-                    n += len(t)
-        return n
-    return 0
+    if content is None:
+        return 0
+    if not isinstance(content, list):
+        raise ApiError(
+            400,
+            f"'messages[{i}].content' must be a string, an array of content parts or null",
+            f"messages[{i}].content",
+            "invalid_type",
+        )
+    n = 0
+    for j, part in enumerate(content):
+        field = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise ApiError(400, f"'{field}' must be an object (a content part)", field, "invalid_type")
+        kind = part.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise ApiError(400, f"'{field}.type' must be a string", f"{field}.type", "invalid_type")
+        t = part.get("text")
+        if t is None and kind == "text":
+            raise ApiError(400, f"'{field}.text' is required", f"{field}.text", "missing_required_parameter")
+        if t is not None:
+            if not isinstance(t, str):
+                raise ApiError(400, f"'{field}.text' must be a string", f"{field}.text", "invalid_type")
+            n += len(t)
+    return n
 
 
 def parse_body(kind: str, raw: bytes) -> ParsedRequest:
@@ -53,7 +71,14 @@ def parse_body(kind: str, raw: bytes) -> ParsedRequest:
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
-    chars = _parse_messages(body) if kind == "chat" else _parse_prompt(body)
+    if kind == "chat":
+        chars = _parse_messages(body)
+        for key, typ, what in (("tools", list, "an array"), ("chat_template_kwargs", dict, "an object")):
+            v = body.get(key)
+            if v is not None and not isinstance(v, typ):
+                raise ApiError(400, f"'{key}' must be {what}", key, "invalid_type")
+    else:
+        chars = _parse_prompt(body)
     return ParsedRequest(kind, body, model, stream, chars)
 
 
@@ -70,7 +95,7 @@ def _parse_messages(body: dict[str, Any]) -> int:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise ApiError(400, f"'messages[{i}].role' is required", f"messages[{i}].role", "invalid_type")
-        chars += _text_len(m.get("content"))
+        chars += _content_len(m.get("content"), i)
     return chars
 
 

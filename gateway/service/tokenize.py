@@ -109,6 +109,14 @@ class ChatTokenizer:
             raise ApiError(
                 400, f"the chat template rejected 'messages': {exc}", "messages", "invalid_messages"
             ) from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # the template met a value of a shape it does not handle (e.g. a tool as a number)
+            raise ApiError(
+                400,
+                f"the chat template could not render this request: {exc!r}",
+                "messages",
+                "invalid_messages",
+            ) from None
 
     def prompt_info(self, kind: str, body: dict[str, Any], session_id: str | None) -> PromptInfo:
         if kind == "chat":
