@@ -319,8 +319,12 @@ class Simulator:
         self._submit(ei, Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now), now)
 
     def _submit(self, ei: int, seq: Seq, now: float) -> None:
+        self.engines[ei].add(seq)
+        self._nudge(ei, now)
+
+    def _nudge(self, ei: int, now: float) -> None:
+        """New work for engine ``ei``: start a pass if it is idle, else reschedule its pass end."""
         eng = self.engines[ei]
-        eng.add(seq)
         if not eng.busy:
             self._kick(ei, now)
         else:
@@ -360,15 +364,8 @@ class Simulator:
     def _wake(self, ei: int, now: float) -> None:
         if self._wake_at[ei] == now:
             self._wake_at[ei] = None
-        eng = self.engines[ei]
-        if not eng.busy:
-            self._kick(ei, now)
-        else:
-            end = eng.interrupt(now)
-            if end is not None:
-                self._pass_version[ei] += 1
-                self._push(end, _PASS, (ei, self._pass_version[ei]))
-        if eng.loading:
+        self._nudge(ei, now)
+        if self.engines[ei].loading:
             self._arm_wake(ei)
 
     def _pass_end(self, ei: int, now: float) -> None:

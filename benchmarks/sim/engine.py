@@ -252,6 +252,14 @@ class Engine:
     def _spare(self) -> int:
         return self.cfg.num_blocks - self.own_blocks - len(self.stamp)
 
+    def _has_room(self, s: Seq, k: int, need: int) -> bool:
+        """Whether ``need`` blocks can be had for ``s`` beside its ``k`` hit blocks (pinning the
+        hit takes its free blocks out of the evictable set)."""
+        room = self._spare() + self.cached_free_blocks - k
+        if room < need:
+            room += len(self.pinned.intersection(s.hashes[:k]))
+        return room >= need
+
     def _room(self, n: int) -> bool:
         """Make ``n`` free blocks, evicting cached ones LRU first; False (nothing evicted) if
         impossible."""
@@ -427,11 +435,8 @@ class Engine:
                     if k2 > k:
                         # load the rest of the prefix from the host tier / store (engine_ext)
                         need = k2 - k
-                        room = self._spare() + self.cached_free_blocks - k
-                        if room < need:
-                            room += len(self.pinned.intersection(s.hashes[:k]))
-                            if room < need:
-                                break
+                        if not self._has_room(s, k, need):
+                            break
                         self._pin_prefix(s, k)
                         self._room(need)
                         hs = s.hashes[k:k2]
@@ -447,12 +452,8 @@ class Engine:
                         continue
                 c = min(s.prompt - k * bs, budget, cap)
                 need = -(-(k * bs + c) // bs) - k
-                room = self._spare() + self.cached_free_blocks - k
-                if room < need:
-                    # pinning the hit takes its free blocks out of the evictable set
-                    room += len(self.pinned.intersection(s.hashes[:k]))
-                    if room < need:
-                        break
+                if not self._has_room(s, k, need):
+                    break
                 self._pin_prefix(s, k)
                 s.computed = k * bs
                 if s.cached_tokens < 0:
