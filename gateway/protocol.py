@@ -37,20 +37,28 @@ def _content_len(content: Any, i: int) -> int:
         )
     n = 0
     for j, part in enumerate(content):
-        field = f"messages[{i}].content[{j}]"
-        if not isinstance(part, dict):
-            raise ApiError(400, f"'{field}' must be an object (a content part)", field, "invalid_type")
-        kind = part.get("type")
-        if kind is not None and not isinstance(kind, str):
-            raise ApiError(400, f"'{field}.type' must be a string", f"{field}.type", "invalid_type")
-        t = part.get("text")
-        if t is None and kind == "text":
-            raise ApiError(400, f"'{field}.text' is required", f"{field}.text", "missing_required_parameter")
-        if t is not None:
-            if not isinstance(t, str):
-                raise ApiError(400, f"'{field}.text' must be a string", f"{field}.text", "invalid_type")
-            n += len(t)
+        if isinstance(part, dict):
+            t = part.get("text")
+            if isinstance(t, str):
+                n += len(t)
+                continue
+            kind = part.get("type")
+            if t is None and (kind is None or (isinstance(kind, str) and kind != "text")):
+                continue  # an image, audio, file... part
+        raise _bad_part(part, i, j)
     return n
+
+
+def _bad_part(part: Any, i: int, j: int) -> ApiError:
+    """The error for a content part the fast path in ``_content_len`` did not accept."""
+    field = f"messages[{i}].content[{j}]"
+    if not isinstance(part, dict):
+        return ApiError(400, f"'{field}' must be an object (a content part)", field, "invalid_type")
+    if not isinstance(part.get("type", ""), str):
+        return ApiError(400, f"'{field}.type' must be a string", f"{field}.type", "invalid_type")
+    if part.get("text") is None:
+        return ApiError(400, f"'{field}.text' is required", f"{field}.text", "missing_required_parameter")
+    return ApiError(400, f"'{field}.text' must be a string", f"{field}.text", "invalid_type")
 
 
 def parse_body(kind: str, raw: bytes) -> ParsedRequest:

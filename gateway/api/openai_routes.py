@@ -50,9 +50,9 @@ async def read_body(receive: Any, limit: int) -> bytes:
 
 
 async def wait_disconnect(receive: Any) -> None:
-    """Return when the client goes away. Any other message (a server may wake a waiting
-    ``receive()`` with an empty ``http.request``) is skipped, as Starlette's StreamingResponse
-    does: one stray message must not leave the relay blind to a later disconnect."""
+    """Return when the client goes away. Any other message is skipped, as Starlette's
+    ``listen_for_disconnect`` does, so one unexpected message cannot leave the relay blind to a
+    later disconnect."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
