@@ -30,25 +30,27 @@ each session request is routed (``MigrationExecutor.on_next_turn``); control req
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
 from benchmarks.sim.tiers import Tiers, TiersConfig
 from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
+from gateway.core import turn as pipeline
+from gateway.core.hints import AgentHints
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import Router, RoutingParams
-from gateway.core.sessions import SessionRecord, SessionTable
-from gateway.core.types import Decision, EngineView, Medium, PoolRole, RouteRequest, SessionView, Snapshot
+from gateway.core.sessions import SessionTable
+from gateway.core.turn import IndexKind, Siblings, Turn, index_for
+from gateway.core.types import Decision, EngineView, Medium, PoolRole
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
 
 
 MODEL = "agent-model"
 _NEEDS_PRECISE = {"agentic", "precise_prefix"}
-_NEEDS_APPROX = {"cache_aware"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,10 @@ class SimConfig:
     """The first N engines form a ``first_turn`` pool, the rest a ``warm`` pool (0: one pool)."""
     tiers: TiersConfig | None = None
     """Host tier + shared store under the device caches (None: recompute what is not on device)."""
+    kv_events: bool | None = None
+    """Engines publish KV events to the precise index (None: for the profiles that read it, as
+    a gateway would be configured for them); without, the approximate index learns from the
+    routing decisions (``gateway.core.turn.index_for``)."""
 
 
 @dataclass(slots=True)
@@ -115,9 +121,9 @@ class _Inflight:
     state: _PlayState
     req: TraceRequest
     engine: int
-    session_id: str | None
-    parent_id: str | None
-    reason: str
+    turn: Turn
+    """As routed (its hints are empty when the gateway keeps no session record for it)."""
+    decision: Decision
     fan_out: int = 0
 
 
@@ -134,8 +140,13 @@ class Simulator:
         self.router = Router(params)
         self.index = PrefixIndex(cfg.index_capacity_blocks)
         self.approx = PrefixIndex(cfg.engine.num_blocks)
+        self.indexes = {IndexKind.PRECISE: self.index, IndexKind.APPROX: self.approx}
         self.sessions = SessionTable(capacity=100_000, ttl_s=24 * 3600.0)
-        on_kv = self._on_kv if cfg.profile in _NEEDS_PRECISE else None
+        self.siblings = Siblings()
+        # the trace's block hashes are exact; KV events feed the precise index only for the
+        # profiles that read it (the others ignore prefix matches: skipping them saves time)
+        self._kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.profile in _NEEDS_PRECISE
+        on_kv = self._on_kv if self._kv_events else None
         names = [f"w{i}" for i in range(cfg.workers)]
         self.tiers = (
             Tiers(cfg.tiers, names, self._on_tier_kv if on_kv is not None else None)
@@ -158,7 +169,6 @@ class Simulator:
         self._heap: list[tuple[float, int, int, object]] = []
         self._tick = 0
         self._seq = 0
-        self._siblings: dict[str, Counter[str]] = {}
         self._live: dict[int, _Inflight] = {}
         self._rid = 0
         self.records: list[RequestRecord] = []
@@ -244,76 +254,49 @@ class Simulator:
         )
 
     def _arrive(self, st: _PlayState, idx: int, now: float) -> None:
+        """Route a request with the gateway's turn pipeline (:mod:`gateway.core.turn`), as
+        ``gateway/service/placement.py`` does, then hand it to its engine."""
         play, r = st.play, st.play.requests[idx]
         cfg = self.cfg
-        profile = cfg.profile
-        use_ids = cfg.hints or profile == "session_hash"
+        use_ids = cfg.hints or cfg.profile == "session_hash"
         sid = play.session_id(r.stream) if use_ids else None
         parent_id = play.play_id if (use_ids and cfg.hints and r.stream != "root") else None
-        if profile in _NEEDS_PRECISE:
-            index: PrefixIndex | None = self.index
-        elif profile in _NEEDS_APPROX:
-            index = self.approx
-        else:
-            index = None
-        matches = index.match(r.hashes) if index is not None else {}
-        session_view = None
-        rec = None
-        parent_matches = {}
-        if cfg.hints and sid is not None:
-            rec = self.sessions.get(sid, now)
-            parent_home = None
-            if parent_id is not None:
-                prec = self.sessions.get(parent_id, now)
-                if prec is not None:
-                    parent_home = prec.home
-                    if index is not None:
-                        parent_matches = index.match(prec.prefix_hashes)
-            session_view = SessionView(
-                session_id=sid,
-                home=rec.home if rec else None,
-                pool=rec.pool if rec else None,
-                turns=rec.turns if rec else 0,
-                context_tokens=rec.context_tokens if rec else 0,
-                parent_home=parent_home,
-            )
-        self._seq += 1
-        req = RouteRequest(
-            model=MODEL,
-            prompt_tokens=r.input_tokens,
-            block_size=play.block_size,
+        hints = AgentHints(
             session_id=sid,
             parent_session_id=parent_id,
-            is_subagent=parent_id is not None,
-            fan_out=play.subagents.get(r.stream, 0) if cfg.hints else 0,
-            seq=self._seq,
+            fan_out=(play.subagents.get(r.stream, 0) or None) if cfg.hints else None,
+            expected_tool_latency_ms=round(1000 * r.gap_s / cfg.speedup) if cfg.hints else None,
         )
-        siblings = dict(self._siblings.get(parent_id, {})) if parent_id else {}
-        snap = Snapshot(
-            engines=self._views(),
-            matches=matches,
-            session=session_view,
-            parent_matches=parent_matches,
-            siblings=siblings,
+        self._seq += 1
+        turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)
+        index = self.indexes[index_for(True, self._kv_events)]
+        rec = self.sessions.get(sid, now) if (cfg.hints and sid is not None) else None
+        parent = self.sessions.get(parent_id, now) if parent_id is not None else None
+        req, snap = pipeline.prepare(
+            turn,
+            rec,
+            parent,
+            index.match(r.hashes),
+            index.match(parent.prefix_hashes) if parent is not None else {},
+            self._views(),
+            self.siblings.view(parent_id),
         )
         d = self.router.route(req, snap)
         ei = self._by_name[d.engine]
         if self.planner is not None and cfg.hints and sid is not None:
             self.planner.on_next_turn(self, sid, d, play.play_id, r.idx)
-        if profile in _NEEDS_APPROX:
+        if index is self.approx:
             self.approx.apply_stored(d.engine, r.hashes)
         if cfg.hints and sid is not None:
-            rec = rec or SessionRecord(sid, created=now, last_activity=now)
-            rec.home, rec.pool = d.engine, d.pool
-            rec.parent = parent_id or rec.parent
-            rec.inflight += 1
-            rec.expected_gap_s = r.gap_s / cfg.speedup
-            self.sessions.put(rec)
+            self.sessions.put(pipeline.place(rec, d, turn, now))
             if parent_id is not None:
-                self._siblings.setdefault(parent_id, Counter())[d.engine] += 1
+                pipeline.adopt(parent, sid)
+                self.siblings.add(parent_id, d.engine)
+        else:
+            turn = replace(turn, hints=AgentHints())
         self._rid += 1
         rid = self._rid
-        self._live[rid] = _Inflight(st, r, ei, sid if cfg.hints else None, parent_id, d.reason, req.fan_out)
+        self._live[rid] = _Inflight(st, r, ei, turn, d, req.fan_out)
         self._inflight_n[ei] += 1
         self._trigger(st, idx, DISPATCH, now)
         self._submit(ei, Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now), now)
@@ -381,12 +364,13 @@ class Simulator:
     def _complete(self, s: Seq, ei: int, now: float) -> None:
         live = self._live.pop(s.rid)
         self._inflight_n[ei] -= 1
+        name = self.engines[ei].name
         r, st = live.req, live.state
         rec = RequestRecord(
             play=st.play.play_id,
             stream=r.stream,
             idx=r.idx,
-            engine=self.engines[ei].name,
+            engine=name,
             t_arrive=s.t_arrive,
             t_first=s.t_first,
             t_last=s.t_last,
@@ -394,26 +378,20 @@ class Simulator:
             output_tokens=s.max_out,
             cached_tokens=max(0, s.cached_tokens),
             recomputed_tokens=s.recomputed,
-            reason=live.reason,
-            session_id=live.session_id,
+            reason=live.decision.reason,
+            session_id=live.turn.hints.session_id,
             fan_out=live.fan_out,
             loaded_tokens=s.loaded,
         )
         self.records.append(rec)
-        if live.parent_id is not None:
-            sib = self._siblings.get(live.parent_id)
-            if sib is not None:
-                name = self.engines[ei].name
-                sib[name] -= 1
-                if sib[name] <= 0:
-                    del sib[name]
-                if not sib:
-                    del self._siblings[live.parent_id]
-        if live.session_id is not None:
-            srec = self.sessions.get(live.session_id, now)
+        h = live.turn.hints
+        if h.parent_session_id is not None:
+            self.siblings.remove(h.parent_session_id, live.decision.engine)
+        if h.session_id is not None:
+            srec = pipeline.settle(
+                self.sessions.get(h.session_id, now), live.decision.engine, name, True, now, live.turn
+            )
             if srec is not None:
-                srec.inflight = max(0, srec.inflight - 1)
-                srec.record_turn(now, r.input_tokens, r.hashes)
                 self.sessions.put(srec)
         if self.planner is not None:
             self.planner.after_turn(self, rec)

@@ -16,10 +16,12 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.core.hints import HintError, parse_hints
+from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
 from gateway.protocol import parse_body
-from gateway.service.gateway import GatewayService, decision_dict
+from gateway.service.gateway import GatewayService
 
 router = APIRouter()
 
@@ -107,20 +109,24 @@ async def debug_route(
     svc = _svc(request)
     raw = await request.body()
     parsed = parse_body(endpoint, raw)
-    a = await svc.analyze(parsed, request.headers.raw)
-    d = svc.decide(a)
+    try:
+        a = await svc.analyze(parsed, request.headers.raw, dry_run=True)
+        d = svc.decide(a)
+    except SERVICE_ERRORS as exc:
+        raise to_api_error(exc) from None
     hints = {k: getattr(a.hints, k) for k in a.hints.sources}
     return JSONResponse(
         {
             "decision": decision_dict(d),
             "prompt_tokens": a.request.prompt_tokens,
-            "exact_hashes": a.exact,
-            "blocks": len(a.hashes),
+            "exact_hashes": a.prompt.exact,
+            "index": a.prompt.index.value,
+            "blocks": len(a.turn.hashes),
             "matches": {
                 e: {"blocks": m.blocks, "gpu_blocks": m.gpu_blocks} for e, m in a.snapshot.matches.items()
             },
             "hints": hints,
             "hint_sources": a.hints.sources,
-            "warning": a.warning,
+            "warning": a.prompt.warning,
         }
     )

@@ -16,7 +16,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.api import admin_routes, agent_routes
-from gateway.api.openai_routes import CompletionsEndpoint, ServiceHolder
+from gateway.api.openai_routes import OPENAI_WIRES
+from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire
 from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
@@ -26,18 +27,19 @@ from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_upstream
 from gateway.service.session_store import MemorySessionStore, RedisSessionStore, SessionStore
 
-HOT_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+WIRES: tuple[Wire, ...] = OPENAI_WIRES
+HOT_ROUTES = tuple(w.route for w in WIRES)
 
 
 class GatewayApp:
-    """Dispatches the two hot POST routes straight to their raw ASGI endpoints and everything
-    else (admin, sessions, docs, lifespan) to FastAPI."""
+    """Dispatches the hot POST routes (one per generation API) straight to their raw ASGI
+    endpoints and everything else (admin, sessions, docs, lifespan) to FastAPI."""
 
     def __init__(self, api: FastAPI) -> None:
         self.api = api
         self.state = api.state
         holder: ServiceHolder = api.state.holder
-        self._hot = {path: CompletionsEndpoint(kind, path, holder) for path, kind in HOT_ROUTES.items()}
+        self._hot = {w.route: GenerationEndpoint(w, holder) for w in WIRES}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":

@@ -38,6 +38,8 @@ class SessionRecord:
     inflight: int = 0
     ended: bool = False
     last_decision: dict[str, Any] | None = None
+    model: str | None = None
+    """The model of the session's last turn (its prefix hashes are that model's)."""
 
     def add_child(self, child: str) -> None:
         if child not in self.children:
@@ -62,6 +64,7 @@ class SessionRecord:
             "inflight": self.inflight,
             "ended": self.ended,
             "last_decision": self.last_decision,
+            "model": self.model,
         }
 
     @classmethod

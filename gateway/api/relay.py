@@ -1,0 +1,219 @@
+"""The hot path, for every generation API: a raw ASGI endpoint that reads the body, parses it
+once through its wire adapter, asks the service where it goes, then relays each upstream chunk
+as soon as it arrives.
+
+It bypasses Starlette's Request/StreamingResponse (a measurable cost per chunk, ANCHORS.md). A
+client that disconnects, while the engine is being reached or mid-stream, cancels the relay,
+which closes the upstream connection, so vLLM aborts the request and frees its KV. An engine that
+fails mid-stream ends a streamed answer with an explicit error event in the API's own streaming
+form (:attr:`Wire.stream_error`), never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.errors import ApiError, error_body
+from gateway.protocol import ParsedRequest
+from gateway.service.gateway import GatewayService, Plan, Relay
+
+log = logging.getLogger("agentgw.api")
+
+Scope = dict[str, Any]
+
+
+class ServiceHolder:
+    """Where the lifespan puts the app's service for the hot endpoints (a plain attribute:
+    Starlette's ``State.__getattr__`` was a measurable per-request cost)."""
+
+    service: GatewayService | None = None
+
+
+def openai_error(err: ApiError) -> bytes:
+    return err.body()
+
+
+def openai_stream_error(message: str) -> bytes:
+    """Chat and Completions: an error chunk, then ``[DONE]``."""
+    return b"data: " + error_body(502, message, None, "upstream_error") + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """One generation API as seen by the relay."""
+
+    route: str
+    """The path this endpoint serves (the metrics label)."""
+    upstream_path: str
+    """The engine's path for it."""
+    parse: Callable[[bytes], ParsedRequest]
+    render_error: Callable[[ApiError], bytes] = openai_error
+    stream_error: Callable[[str], bytes] = openai_stream_error
+    """The event that ends a stream whose engine failed mid-response."""
+
+
+async def read_body(receive: Any, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def wait_disconnect(receive: Any) -> None:
+    """Return when the client goes away. Any other message is skipped, as Starlette's
+    ``listen_for_disconnect`` does, so one unexpected message cannot leave the relay blind to a
+    later disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def send_error(
+    send: Any,
+    err: ApiError,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    render: Callable[[ApiError], bytes] = openai_error,
+) -> None:
+    body = render(err)
+    headers = [*err.headers(), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Watch:
+    """Cancels the task that runs the relay when the client disconnects."""
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self.done = False
+        self._task = asyncio.current_task()
+        self._fut = asyncio.ensure_future(wait_disconnect(receive))
+        self._fut.add_done_callback(self._on_gone)
+
+    def _on_gone(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None or self.done or self._task is None:
+            return
+        self.gone = True
+        self._task.cancel()
+
+    def stop(self) -> None:
+        self.done = True
+        self._fut.cancel()
+
+    def absorb(self) -> None:
+        """The cancellation was ours (the client left): let the task go on to clean up."""
+        uncancel = getattr(self._task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+
+class GenerationEndpoint:
+    def __init__(self, wire: Wire, holder: ServiceHolder) -> None:
+        self.wire = wire
+        self.route = wire.route
+        self._holder = holder
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        svc = self._holder.service
+        wire = self.wire
+        if svc is None:
+            err = ApiError(503, "the gateway is starting", None, "starting", retry_after=1)
+            await send_error(send, err, render=wire.render_error)
+            return
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(receive, svc.config.limits.max_body_bytes)
+            parsed = wire.parse(raw)
+            plan = await svc.plan(parsed, raw, scope["headers"])
+        except ConnectionAbortedError:
+            return
+        except (ApiError, *SERVICE_ERRORS) as exc:
+            err = exc if isinstance(exc, ApiError) else to_api_error(exc)
+            svc.metrics.count_request(self.route, str(err.status), "", "")
+            await send_error(send, err, render=wire.render_error)
+            return
+        watch = _Watch(receive)
+        try:
+            up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            watch.absorb()
+            svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
+            await svc.abandon(plan)
+            return
+        except SERVICE_ERRORS as exc:
+            watch.stop()
+            err = to_api_error(exc)
+            await svc.abandon(plan)
+            svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
+            await send_error(send, err, plan.extra_headers, wire.render_error)
+            return
+        try:
+            await self._relay(svc, plan, up, t0, send, watch, parsed.stream)
+        finally:
+            up.close()
+
+    async def _relay(
+        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any, watch: _Watch, stream: bool
+    ) -> None:
+        headers = up.headers() + plan.response_headers(up)
+        status = str(up.status)
+        started = False
+        first = True
+        try:
+            await send({"type": "http.response.start", "status": up.status, "headers": headers})
+            started = True
+            async for chunk in up.chunks():
+                if first:
+                    svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.done = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            status = "499"
+            svc.metrics.client_disconnects.labels(up.engine).inc()
+            watch.absorb()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            status = "502"
+            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            log.warning("upstream %s failed mid-response: %r", up.engine, exc)
+            tail = (
+                self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")
+                if stream
+                else b""
+            )
+            with contextlib.suppress(Exception):
+                if not started:
+                    await send({"type": "http.response.start", "status": 502, "headers": headers})
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except OSError:
+            # the server's send() raised (ASGI 2.4: the client connection is closed) before the
+            # disconnect watcher fired: the same outcome
+            status = "499"
+            svc.metrics.client_disconnects.labels(up.engine).inc()
+        finally:
+            watch.stop()
+            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
+            svc.metrics.count_request(self.route, status, up.pool, up.engine)
+            await svc.finish(plan, up, status)

@@ -1,0 +1,229 @@
+"""The turn pipeline: one request of an agent session, from what is known about it to a routing
+input, and from a decision and an outcome to the session record. Pure: the caller passes the
+clock, the records and the prefix matches in.
+
+The gateway service (``gateway/service/turns.py``) and the simulator (``benchmarks/sim/cluster.py``)
+both run a turn as::
+
+    req, snap = prepare(turn, record, parent, matches, parent_matches, engines, siblings)
+    decision = router.route(req, snap)
+    record = place(record, decision, turn, now)         # and adopt(parent, child) for a subagent
+    siblings.add(parent, decision.engine)
+    ... the engine serves the turn ...
+    record = settle(record, decision.engine, served_on, ok, now, turn)
+    siblings.remove(parent, decision.engine)
+
+so what the simulator measures is what the gateway runs. Which prefix index a turn is matched
+against is :func:`index_for`: exact block hashes go to the index fed by the engines' KV events,
+anything else to the approximate index fed by the routing decisions themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from gateway.core.hints import AgentHints
+from gateway.core.sessions import SessionRecord
+from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, SessionView, Snapshot
+
+__all__ = [
+    "IndexKind",
+    "Siblings",
+    "Turn",
+    "adopt",
+    "approx_hashes",
+    "decision_dict",
+    "index_for",
+    "place",
+    "prepare",
+    "settle",
+]
+
+
+class IndexKind(StrEnum):
+    PRECISE = "precise"
+    """Exact vLLM block hashes, matched against the index fed by KV events."""
+    APPROX = "approx"
+    """Hashes of text chunks (or of exact blocks with no KV events), fed by routing decisions."""
+
+
+def index_for(exact: bool, kv_events: bool) -> IndexKind:
+    """Exact hashes are matched against what the engines say they hold, when they say it;
+    otherwise the gateway can only remember where it sent each prefix."""
+    return IndexKind.PRECISE if exact and kv_events else IndexKind.APPROX
+
+
+def approx_hashes(text: str, chunk_chars: int) -> list[int]:
+    """A hash chain over fixed-size chunks of the prompt text (a partial last chunk is not
+    hashed). Stable across processes and replicas (BLAKE2b, not Python's per-process ``hash``),
+    so records shared through Redis mean the same thing on every replica."""
+    out: list[int] = []
+    prev = b""
+    # chunks by characters, as the token estimate is by characters
+    for i in range(0, len(text) - chunk_chars + 1, chunk_chars):
+        piece = text[i : i + chunk_chars].encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(prev + piece, digest_size=8).digest()
+        out.append(int.from_bytes(digest, "big"))
+        prev = digest
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """What the pipeline knows about one request before routing it."""
+
+    model: str
+    prompt_tokens: int
+    block_size: int
+    hints: AgentHints
+    hashes: Sequence[int]
+    """The prompt's block hashes (exact or approximate, see :func:`index_for`)."""
+    seq: int = 0
+
+
+def prepare(
+    turn: Turn,
+    record: SessionRecord | None,
+    parent: SessionRecord | None,
+    matches: dict[str, PrefixMatch],
+    parent_matches: dict[str, PrefixMatch],
+    engines: tuple[EngineView, ...],
+    siblings: dict[str, int],
+) -> tuple[RouteRequest, Snapshot]:
+    """The router's input for a turn. ``record`` is the session's record (None for a new or
+    session-less turn; an ended record counts as none), ``parent`` the parent session's."""
+    h = turn.hints
+    sid = h.session_id
+    if record is not None and record.ended:
+        record = None
+    view = None
+    if sid is not None:
+        view = SessionView(
+            session_id=sid,
+            home=record.home if record else None,
+            pool=record.pool if record else None,
+            turns=record.turns if record else 0,
+            context_tokens=record.context_tokens if record else 0,
+            parent_home=parent.home if parent is not None else None,
+        )
+    req = RouteRequest(
+        model=turn.model,
+        prompt_tokens=turn.prompt_tokens,
+        block_size=turn.block_size,
+        session_id=sid,
+        parent_session_id=h.parent_session_id,
+        is_subagent=h.is_subagent,
+        fan_out=h.fan_out or 0,
+        interactive=h.interactive,
+        priority=h.priority,
+        seq=turn.seq,
+    )
+    snap = Snapshot(
+        engines=engines,
+        matches=matches,
+        session=view,
+        parent_matches=parent_matches,
+        siblings=siblings,
+    )
+    return req, snap
+
+
+def decision_dict(d: Decision) -> dict[str, Any]:
+    """A decision with its explanation, as stored in the session record and shown by the API."""
+    return {
+        "engine": d.engine,
+        "pool": d.pool,
+        "reason": d.reason,
+        "profile": d.profile,
+        "cached_tokens_est": d.cached_tokens,
+        "uncached_tokens_est": d.uncached_tokens,
+        "candidates": [
+            {"engine": c.engine, "pool": c.pool, "total": round(c.total, 6), "scores": c.scores}
+            for c in d.candidates
+        ],
+        "fallbacks": list(d.fallbacks),
+    }
+
+
+def place(record: SessionRecord | None, decision: Decision, turn: Turn, now: float) -> SessionRecord:
+    """The session's record once the turn is placed: its new home, one more turn in flight."""
+    h = turn.hints
+    assert h.session_id is not None, "place() is for session turns"
+    if record is None or record.ended:
+        record = SessionRecord(h.session_id, created=now, last_activity=now)
+    record.home, record.pool = decision.engine, decision.pool
+    record.model = turn.model
+    record.parent = h.parent_session_id or record.parent
+    record.inflight += 1
+    record.cached_tokens_est = decision.cached_tokens
+    if h.expected_tool_latency_ms is not None:
+        record.expected_gap_s = h.expected_tool_latency_ms / 1000
+    record.last_decision = decision_dict(decision)
+    return record
+
+
+def adopt(parent: SessionRecord | None, child: str) -> SessionRecord | None:
+    """The parent's record with ``child`` among its children (None: nothing to write)."""
+    if parent is None or child in parent.children:
+        return None
+    parent.add_child(child)
+    return parent
+
+
+def settle(
+    record: SessionRecord | None,
+    planned: str,
+    served_on: str | None,
+    ok: bool,
+    now: float,
+    turn: Turn,
+) -> SessionRecord | None:
+    """The session's record once the turn is over. ``served_on`` is the engine that answered
+    (None: no engine did); a retry on another engine moves the home unless a newer placement
+    already did. Only a successful turn counts in the history."""
+    if record is None:
+        return None
+    record.inflight = max(0, record.inflight - 1)
+    if served_on is not None and served_on != planned and record.home == planned:
+        record.home = served_on
+    if ok:
+        record.record_turn(now, turn.prompt_tokens, list(turn.hashes))
+    return record
+
+
+class Siblings:
+    """In-flight requests of each parent's subagents, per engine (for spreading a fan-out).
+    Bounded: beyond ``max_parents`` parents the oldest entry is dropped."""
+
+    def __init__(self, max_parents: int = 10_000) -> None:
+        self.max_parents = max_parents
+        self._by_parent: dict[str, Counter[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_parent)
+
+    def view(self, parent: str | None) -> dict[str, int]:
+        if parent is None:
+            return {}
+        c = self._by_parent.get(parent)
+        return dict(c) if c else {}
+
+    def add(self, parent: str, engine: str) -> None:
+        self._by_parent.setdefault(parent, Counter())[engine] += 1
+        if len(self._by_parent) > self.max_parents:
+            self._by_parent.pop(next(iter(self._by_parent)))
+
+    def remove(self, parent: str, engine: str) -> None:
+        c = self._by_parent.get(parent)
+        if c is None:
+            return
+        c[engine] -= 1
+        if c[engine] <= 0:
+            del c[engine]
+        if not c:
+            del self._by_parent[parent]

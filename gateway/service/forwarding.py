@@ -1,0 +1,142 @@
+"""Forwarding: what is sent to the chosen engine and how. Rewrites the body (gateway-only fields
+out; engine_ext's pin request and the hinted priority in), filters the headers, and opens the
+upstream response with one retry on another engine of the pool when the first cannot be reached
+before any byte. What comes back is a :class:`Relay`: the engine's status, headers and an async
+iterator of body chunks, independent of any wire API; the edge relays it in its own shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from gateway.config import GatewayConfig
+from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
+from gateway.core.types import Decision
+from gateway.service.cluster import Cluster
+from gateway.service.errors import UpstreamFailed
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS, RESPONSE_DROP, Upstream
+
+__all__ = ["Forwarder", "Relay"]
+
+log = logging.getLogger("agentgw.forwarding")
+
+_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS}
+
+
+@dataclass(slots=True)
+class Relay:
+    """An open upstream response being relayed."""
+
+    engine: str
+    pool: str
+    response: aiohttp.ClientResponse
+    retried: bool
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The engine's response headers worth relaying (lowercase names)."""
+        return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self.response.content.iter_any()
+
+    async def read(self) -> bytes:
+        return await self.response.read()
+
+    def close(self) -> None:
+        """Return a fully read connection to the pool; drop one that is mid-response (the client
+        went away), which makes vLLM abort the request."""
+        if self.response.content.at_eof():
+            self.response.release()
+        else:
+            self.response.close()
+
+
+class Forwarder:
+    def __init__(
+        self, config: GatewayConfig, upstream: Upstream, cluster: Cluster, metrics: GatewayMetrics
+    ) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.cluster = cluster
+        self.metrics = metrics
+
+    @staticmethod
+    def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        fwd = [(k, v) for k, v in headers if k not in _DROP_HEADERS]
+        fwd.append((b"content-type", b"application/json"))
+        return fwd
+
+    def body(
+        self,
+        body: dict[str, Any],
+        raw: bytes,
+        hints: AgentHints,
+        pin: dict[str, Any] | None,
+    ) -> bytes:
+        """The body the engine gets: ``raw`` unless something had to change. ``pin`` is
+        engine_ext's ``kv_transfer_params.agentgw`` for this turn (None: none)."""
+        changed = False
+        if pin is not None and "kv_transfer_params" not in body:
+            body = {**body, "kv_transfer_params": {"agentgw": pin}}
+            changed = True
+        for key in GATEWAY_BODY_KEYS:
+            if key in body:
+                body = {k: v for k, v in body.items() if k != key}
+                changed = True
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and "agentic_context" in xargs:
+            rest = {k: v for k, v in xargs.items() if k != "agentic_context"}
+            body = (
+                {**body, "vllm_xargs": rest} if rest else {k: v for k, v in body.items() if k != "vllm_xargs"}
+            )
+            changed = True
+        if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
+            body = {**body, "priority": hints.priority}
+            changed = True
+        return orjson.dumps(body) if changed else raw
+
+    async def open(
+        self, decision: Decision, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> Relay:
+        """Send the request; on a connection failure before any byte, retry once on another
+        engine of the same pool, then give up (:class:`UpstreamFailed`)."""
+        tries = [decision.engine, *decision.fallbacks[:1]]
+        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        last: BaseException | None = None
+        for i, name in enumerate(tries):
+            state = self.cluster.engines[name]
+            if i > 0 and not state.healthy:
+                continue
+            self.cluster.begin(name)
+            try:
+                response = await self.upstream.session.post(
+                    state.config.url + path, data=body, headers=hdrs, timeout=self.upstream.timeout
+                )
+            except CONNECT_ERRORS as exc:
+                self.cluster.end(name)
+                self.cluster.record_connect_failure(name)
+                self.metrics.upstream_errors.labels(name, "connect").inc()
+                log.warning("connect to %s failed: %r", name, exc)
+                last = exc
+                continue
+            except aiohttp.ClientError as exc:
+                self.cluster.end(name)
+                self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
+                raise UpstreamFailed(f"engine '{name}' failed before responding: {exc!r}", False) from None
+            except BaseException:
+                self.cluster.end(name)  # cancelled (the client left) while connecting
+                raise
+            return Relay(name, state.pool, response, retried=i > 0)
+        raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)

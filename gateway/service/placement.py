@@ -1,0 +1,217 @@
+"""Placement: where a turn goes and what the session remembers of it. Runs the core turn
+pipeline (:mod:`gateway.core.turn`) against the live state: the session store, the two prefix
+indexes, the engines' views and the in-flight subagents; after a turn, asks the planner where
+the session's KV should be for the next one and hands that to the migration executor.
+
+Decide and update are separate: :meth:`Placement.analyze` and :meth:`Placement.decide` only
+read (``/debug/route`` uses them as they are); :meth:`place` and :meth:`settle` write.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.config import GatewayConfig
+from gateway.core import turn as pipeline
+from gateway.core.hints import AgentHints
+from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
+from gateway.core.prefix_index import PrefixIndex
+from gateway.core.router import NoEngine, Router
+from gateway.core.sessions import SessionRecord
+from gateway.core.turn import IndexKind, Siblings, Turn
+from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
+from gateway.service.cluster import Cluster
+from gateway.service.errors import ModelNotFound, NoCapacity
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.migrations import MigrationExecutor
+from gateway.service.prompts import PromptRead, Prompts
+from gateway.service.session_store import SessionStore
+
+__all__ = ["Analysis", "Placement"]
+
+
+@dataclass(slots=True)
+class Analysis:
+    """Everything known about a request before deciding."""
+
+    prompt: PromptRead
+    request: RouteRequest
+    snapshot: Snapshot
+    record: SessionRecord | None
+    parent: SessionRecord | None = None
+
+    @property
+    def hints(self) -> AgentHints:
+        return self.prompt.turn.hints
+
+    @property
+    def turn(self) -> Turn:
+        return self.prompt.turn
+
+
+class Placement:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        cluster: Cluster,
+        router: Router,
+        sessions: SessionStore,
+        migrations: MigrationExecutor,
+        prompts: Prompts,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.router = router
+        self.sessions = sessions
+        self.migrations = migrations
+        self.prompts = prompts
+        self.metrics = metrics
+        self.clock = clock
+        cap = config.routing.index_capacity_blocks
+        self.indexes = {IndexKind.PRECISE: PrefixIndex(cap), IndexKind.APPROX: PrefixIndex(cap)}
+        self.siblings = Siblings()
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The index fed by the engines' KV events."""
+        return self.indexes[IndexKind.PRECISE]
+
+    # -- reading -------------------------------------------------------------------------------
+    async def analyze(self, prompt: PromptRead) -> Analysis:
+        turn = prompt.turn
+        h = turn.hints
+        now = self.clock()
+        rec = await self.sessions.get(h.session_id, now) if h.session_id else None
+        index = self.indexes[prompt.index]
+        parent, parent_matches = None, {}
+        if h.parent_session_id is not None:
+            parent = await self.sessions.get(h.parent_session_id, now)
+            if parent is not None:
+                parent_matches = index.match(parent.prefix_hashes)
+        req, snap = pipeline.prepare(
+            turn,
+            rec,
+            parent,
+            index.match(turn.hashes),
+            parent_matches,
+            self.cluster.views(),
+            self.siblings.view(h.parent_session_id),
+        )
+        return Analysis(prompt, req, snap, rec if rec is not None and not rec.ended else None, parent)
+
+    def decide(self, a: Analysis) -> Decision:
+        try:
+            return self.router.route(a.request, a.snapshot)
+        except NoEngine as exc:
+            if exc.reason == "unknown_model":
+                raise ModelNotFound(str(exc)) from None
+            raise NoCapacity(str(exc), self.config.limits.retry_after_s) from None
+
+    def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
+        """Where the session's last prompt is cached. Its hashes are exact when its model has a
+        tokenizer (and KV events feed the precise index), else approximate."""
+        model = model or rec.model
+        exact = model is not None and model in self.prompts.tokenizers
+        return self.indexes[pipeline.index_for(exact, self.prompts.kv_events)].match(rec.prefix_hashes)
+
+    # -- writing -------------------------------------------------------------------------------
+    async def place(self, a: Analysis, d: Decision) -> None:
+        """Record the decision: the approximate index learns where the prefix went, the session
+        its new home, the parent its child, the fan-out its in-flight sibling."""
+        self.metrics.count_decision(d.profile, d.pool, d.reason)
+        turn = a.turn
+        if a.prompt.index is IndexKind.APPROX:
+            self.indexes[IndexKind.APPROX].apply_stored(d.engine, turn.hashes)
+        h = turn.hints
+        sid = h.session_id
+        if sid is None:
+            return
+        if sid in self.migrations.current:
+            frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
+            self.migrations.on_next_turn(sid, d.engine, frac)
+        now = self.clock()
+        await self.sessions.update(sid, now, lambda rec: pipeline.place(rec, d, turn, now))
+        parent_id = h.parent_session_id
+        if parent_id is not None:
+            if a.parent is not None and sid not in a.parent.children:
+                await self.sessions.update(parent_id, now, lambda p: pipeline.adopt(p, sid))
+            self.siblings.add(parent_id, d.engine)
+
+    async def settle(self, a: Analysis, d: Decision, served_on: str | None, ok: bool) -> None:
+        """The turn is over (``served_on``: the engine that answered, None if none did)."""
+        h = a.hints
+        if h.parent_session_id is not None:
+            self.siblings.remove(h.parent_session_id, d.engine)
+        sid = h.session_id
+        if sid is None:
+            return
+        if h.session_end:
+            await self.end_session(sid)
+            return
+        now = self.clock()
+        rec = await self.sessions.update(
+            sid, now, lambda r: pipeline.settle(r, d.engine, served_on, ok, now, a.turn)
+        )
+        if rec is not None and ok and served_on is not None:
+            self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
+
+    def expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
+        if hints.expected_tool_latency_ms is not None:
+            return hints.expected_tool_latency_ms / 1000
+        gap = rec.expected_gap() if rec is not None else None
+        return gap if gap is not None else self.config.migration.default_gap_s
+
+    def after_turn(
+        self, rec: SessionRecord, hints: AgentHints, engine: str, model: str, index: IndexKind
+    ) -> PlanAction | None:
+        """Plan where the session's KV should be for its next turn, and start doing it."""
+        if not self.migrations.controllable(engine):
+            return None
+        outcome = TurnOutcome(
+            session_id=rec.session_id,
+            home=engine,
+            context_tokens=rec.context_tokens,
+            gap_s=self.expected_gap(hints, rec),
+            fan_out=hints.fan_out or 0,
+            is_subagent=hints.is_subagent,
+            block_size=self.prompts.block_size(model),
+        )
+        action = plan_after_turn(
+            outcome,
+            self.cluster.views(),
+            self.indexes[index].match(rec.prefix_hashes),
+            self.migrations.params,
+        )
+        self.migrations.submit(action, self.prompts.session_tokens(model, rec.session_id))
+        return action
+
+    async def end_session(self, session_id: str) -> SessionRecord | None:
+        """The session is over: cancel pending migrations, release its pins, forget it."""
+        self.migrations.cancel(session_id, reason="session_end")
+        rec = await self.sessions.delete(session_id)
+        self.prompts.forget(session_id)
+        if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
+            self.migrations.submit(
+                PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None
+            )
+        return rec
+
+    async def update_hints(self, session_id: str, hints: AgentHints) -> SessionRecord:
+        now = self.clock()
+
+        def apply(rec: SessionRecord | None) -> SessionRecord:
+            rec = rec or SessionRecord(session_id, created=now, last_activity=now)
+            if hints.expected_tool_latency_ms is not None:
+                rec.expected_gap_s = hints.expected_tool_latency_ms / 1000
+            if hints.parent_session_id is not None:
+                rec.parent = hints.parent_session_id
+            rec.last_activity = now
+            return rec
+
+        rec = await self.sessions.update(session_id, now, apply)
+        assert rec is not None  # apply always returns a record
+        return rec

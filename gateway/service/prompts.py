@@ -1,0 +1,111 @@
+"""Prompts: what a parsed request says about itself before routing. The agent hints (from every
+dialect), the prompt's block hashes (exact through the model's tokenizer, else approximate over
+the prompt text) and which prefix index they belong to, bundled as a core
+:class:`~gateway.core.turn.Turn`.
+
+Read-only: nothing here changes state the router reads (the dry run of ``/debug/route`` uses it
+as the real path does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.config import GatewayConfig
+from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
+from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
+from gateway.protocol import ParsedRequest
+from gateway.service.tokenize import ChatTokenizer
+
+__all__ = ["PromptRead", "Prompts"]
+
+_HINT_HEADER_BYTES = frozenset(h.encode() for h in HEADER_NAMES)
+
+
+@dataclass(slots=True)
+class PromptRead:
+    turn: Turn
+    index: IndexKind
+    exact: bool
+    """True when tokens and hashes are exact (a tokenizer is configured for the model)."""
+    warning: str | None = None
+
+
+def prompt_text(parsed: ParsedRequest) -> str:
+    """The prompt as text, the approximate hashes' input: each message's role and text content."""
+    body = parsed.body
+    if parsed.kind == "chat":
+        parts = []
+        for m in body["messages"]:
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+            parts.append(f"<{m.get('role')}>{c if isinstance(c, str) else ''}")
+        return "".join(parts)
+    p = body["prompt"]
+    return p if isinstance(p, str) else orjson.dumps(p).decode()
+
+
+class Prompts:
+    def __init__(self, config: GatewayConfig, kv_events: bool) -> None:
+        self.config = config
+        self.kv_events = kv_events
+        """Whether any engine publishes KV events (the precise index is fed)."""
+        self.tokenizers: dict[str, ChatTokenizer] = {
+            m.name: ChatTokenizer(m.tokenizer, m.block_size, m.hash_seed)
+            for m in config.models
+            if m.tokenizer
+        }
+        self.block_sizes = {m.name: m.block_size for m in config.models}
+        self._seq = 0
+
+    def hints(
+        self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]]
+    ) -> tuple[AgentHints, str | None]:
+        """The request's hints; an invalid hint is a :class:`HintError` under ``on_invalid:
+        reject``, else ignored with a warning."""
+        hdrs = {}
+        for k, v in headers:
+            if k in _HINT_HEADER_BYTES:
+                hdrs[k.decode("latin-1")] = v.decode("latin-1")
+        try:
+            return parse_hints(hdrs, parsed.body), None
+        except HintError as exc:
+            if self.config.hints.on_invalid == "reject":
+                raise
+            return AgentHints(), str(exc)
+
+    def read(
+        self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
+    ) -> PromptRead:
+        """``dry_run``: the same reading without counting a request (round-robin's counter)."""
+        hints, warning = self.hints(parsed, headers)
+        tok = self.tokenizers.get(parsed.model)
+        if tok is not None:
+            info = tok.prompt_info(parsed.kind, parsed.body, None if dry_run else hints.session_id)
+            n_tokens, hashes, block_size = info.num_tokens, info.hashes, tok.block_size
+        else:
+            hashes = approx_hashes(prompt_text(parsed), self.config.routing.approx_chunk_chars)
+            n_tokens = parsed.text_chars // 4
+            block_size = max(1, self.config.routing.approx_chunk_chars // 4)
+        exact = tok is not None
+        seq = self._seq
+        if not dry_run:
+            self._seq += 1
+        turn = Turn(parsed.model, n_tokens, block_size, hints, hashes, seq)
+        return PromptRead(turn, index_for(exact, self.kv_events), exact, warning)
+
+    def block_size(self, model: str) -> int:
+        return self.block_sizes.get(model, 128)
+
+    def session_tokens(self, model: str, session_id: str) -> list[int] | None:
+        """The session's last prompt token ids, when exact and cached (for a KV prefetch)."""
+        tok = self.tokenizers.get(model)
+        return tok.session_tokens(session_id) if tok is not None else None
+
+    def forget(self, session_id: str) -> None:
+        for tok in self.tokenizers.values():
+            tok.forget(session_id)
