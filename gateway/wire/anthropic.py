@@ -234,6 +234,7 @@ def _validate_message(m: Any, field: str) -> None:
 
 def _validate_block(b: Any, field: str, role: str) -> dict[str, Any]:
     b = c.obj(b, field)
+    block: dict[str, Any] = b
     kind = c.req_enum(b, "type", f"{field}.type", BLOCK_TYPES)
     for key in ("text", "id", "tool_use_id", "name", "tool_name", "thinking", "signature", "data"):
         c.opt_str(b, key, f"{field}.{key}")
@@ -263,7 +264,7 @@ def _validate_block(b: Any, field: str, role: str) -> dict[str, Any]:
             raise c.bad_value(f"{field}.tool.type", "must be 'tool_reference' in a tool_removal block")
         if role != "system":
             raise c.bad_value(f"{field}.type", 'is only allowed in messages with role "system"')
-    return b
+    return block
 
 
 def _validate_tools(tools: Any, field: str) -> None:

@@ -212,11 +212,12 @@ def _validate_tool_choice(tc: Any, tools: list[dict[str, Any]]) -> Any:
         if not isinstance(name, str) or not name:
             raise c.missing("tool_choice.name")
         names = _function_names(tools)
+        # as vLLM's pydantic model dumps it: {name, type}
         if name in names:
-            return tc
+            return {"name": name, "type": tc["type"]}
         matches = [n for n in names if n.endswith(f"{NAMESPACE_SEPARATOR}{name}")]
         if len(matches) == 1:
-            return {**tc, "name": matches[0]}
+            return {"name": matches[0], "type": tc["type"]}
         if len(matches) > 1:
             raise c.bad_value(
                 "tool_choice.name", f"is ambiguous: defined in more than one namespace ({', '.join(matches)})"
@@ -325,7 +326,7 @@ class _Converter:
         elif kind == "reasoning":
             self._reasoning(item, field)
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = c.req_str(item, "call_id", f"{field}.call_id")
+            out_id = c.opt_str(item, "call_id", f"{field}.call_id")  # vLLM takes a missing one as None
             if "output" not in item:
                 raise c.missing(f"{field}.output")
             output = item["output"]
@@ -335,7 +336,7 @@ class _Converter:
                 self._parts(output, f"{field}.output")
             else:
                 raise c.wrong(f"{field}.output", "a string or an array of content parts")
-            self.out.append({"role": "tool", "content": output, "tool_call_id": call_id})
+            self.out.append({"role": "tool", "content": output, "tool_call_id": out_id})
         elif "role" in item and (kind is None or kind == "message"):
             self._message(item, field)
         else:
