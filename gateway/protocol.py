@@ -19,6 +19,16 @@ class ParsedRequest:
     stream: bool
     text_chars: int
     """Characters of prompt text: the token estimate when no tokenizer is configured."""
+    prompt: dict[str, Any] | None = None
+    """For an API whose body is not a chat request (Messages, Responses): the chat request the
+    engine builds from it (``gateway.wire``), which decides the prompt; None: ``body`` is it."""
+    exact: bool = True
+    """False when the prompt depends on state the gateway cannot see (history stored in the
+    engine, ids the engine makes up): route on the approximate index."""
+    previous_response_id: str | None = None
+    """Responses: the stored response this request continues (only its engine has it)."""
+    store: bool = False
+    """Responses: the engine is asked to keep the answer (the gateway records where)."""
 
 
 def _content_len(content: Any, i: int) -> int:

@@ -15,9 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api import admin_routes, agent_routes
+from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_routes
+from gateway.api.anthropic_routes import MESSAGES_WIRE
 from gateway.api.openai_routes import OPENAI_WIRES
 from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire
+from gateway.api.responses_routes import RESPONSES_WIRE
 from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
@@ -27,7 +29,7 @@ from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_upstream
 from gateway.service.session_store import MemorySessionStore, RedisSessionStore, SessionStore
 
-WIRES: tuple[Wire, ...] = OPENAI_WIRES
+WIRES: tuple[Wire, ...] = (*OPENAI_WIRES, MESSAGES_WIRE, RESPONSES_WIRE)
 HOT_ROUTES = tuple(w.route for w in WIRES)
 
 
@@ -81,6 +83,8 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
     api.state.holder = ServiceHolder()
     api.include_router(admin_routes.router)
     api.include_router(agent_routes.router)
+    api.include_router(anthropic_routes.router)
+    api.include_router(responses_routes.router)
 
     @api.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:

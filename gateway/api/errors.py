@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.core.hints import HintError
 from gateway.errors import ApiError
-from gateway.service.errors import DomainError, ModelNotFound, NoCapacity, UpstreamFailed
+from gateway.service.errors import DomainError, ModelNotFound, NoCapacity, ResponseNotFound, UpstreamFailed
 
 __all__ = ["SERVICE_ERRORS", "to_api_error"]
 
@@ -19,6 +19,8 @@ def to_api_error(exc: DomainError | HintError) -> ApiError:
         return ApiError(404, exc.message, "model", "model_not_found")
     if isinstance(exc, NoCapacity):
         return ApiError(503, exc.message, None, "no_healthy_engine", retry_after=exc.retry_after)
+    if isinstance(exc, ResponseNotFound):
+        return ApiError(404, exc.message, exc.field, "response_not_found")
     if isinstance(exc, UpstreamFailed):
         return ApiError(502, exc.message, None, "upstream_connect_error" if exc.connect else "upstream_error")
     return ApiError(500, exc.message, None, "internal_error")

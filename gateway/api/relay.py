@@ -25,6 +25,7 @@ from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError, error_body
 from gateway.protocol import ParsedRequest
 from gateway.service.gateway import GatewayService, Plan, Relay
+from gateway.service.responses import SCAN_BYTES, find_response_id
 
 log = logging.getLogger("agentgw.api")
 
@@ -59,6 +60,8 @@ class Wire:
     render_error: Callable[[ApiError], bytes] = openai_error
     stream_error: Callable[[str], bytes] = openai_stream_error
     """The event that ends a stream whose engine failed mid-response."""
+    stores_responses: bool = False
+    """The engine may store the answer (Responses API): the gateway records its id's engine."""
 
 
 async def read_body(receive: Any, limit: int) -> bytes:
@@ -167,17 +170,27 @@ class GenerationEndpoint:
             await send_error(send, err, plan.extra_headers, wire.render_error)
             return
         try:
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream)
+            record = wire.stores_responses and parsed.store and up.status == 200
+            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record)
         finally:
             up.close()
 
     async def _relay(
-        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any, watch: _Watch, stream: bool
+        self,
+        svc: GatewayService,
+        plan: Plan,
+        up: Relay,
+        t0: float,
+        send: Any,
+        watch: _Watch,
+        stream: bool,
+        record_id: bool,
     ) -> None:
         headers = up.headers() + plan.response_headers(up)
         status = str(up.status)
         started = False
         first = True
+        head = b""
         try:
             await send({"type": "http.response.start", "status": up.status, "headers": headers})
             started = True
@@ -185,6 +198,13 @@ class GenerationEndpoint:
                 if first:
                     svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
                     first = False
+                if record_id:
+                    head += chunk
+                    rid = find_response_id(head)
+                    if rid is not None or len(head) >= SCAN_BYTES:
+                        record_id = False
+                        if rid is not None:
+                            await svc.remember_response(rid, up)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -39,6 +39,7 @@ __all__ = [
     "approx_hashes",
     "decision_dict",
     "index_for",
+    "owner_decision",
     "place",
     "prepare",
     "settle",
@@ -131,6 +132,18 @@ def prepare(
         siblings=siblings,
     )
     return req, snap
+
+
+def owner_decision(req: RouteRequest, snap: Snapshot, engine: str, profile: str) -> Decision | None:
+    """A turn that only ``engine`` can serve (it holds state the turn continues, e.g. a stored
+    response): that engine if it is healthy and serves the model, else None. A constraint, not
+    a score: no other engine would answer correctly."""
+    for e in snap.engines:
+        if e.name == engine and e.healthy and req.model in e.models:
+            match = snap.matches.get(engine)
+            cached = min(req.prompt_tokens, match.blocks * req.block_size) if match else 0
+            return Decision(engine, e.pool, "owner", profile, cached, req.prompt_tokens - cached)
+    return None
 
 
 def decision_dict(d: Decision) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DomainError", "ModelNotFound", "NoCapacity", "UpstreamFailed"]
+__all__ = ["DomainError", "ModelNotFound", "NoCapacity", "ResponseNotFound", "UpstreamFailed"]
 
 
 class DomainError(Exception):
@@ -33,3 +33,13 @@ class UpstreamFailed(DomainError):
     def __init__(self, message: str, connect: bool) -> None:
         super().__init__(message)
         self.connect = connect
+
+
+class ResponseNotFound(DomainError):
+    """No engine holds the stored response (never stored, forgotten, or its engine is gone);
+    ``field`` names where the id came from."""
+
+    def __init__(self, response_id: str, field: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+        self.response_id = response_id
+        self.field = field

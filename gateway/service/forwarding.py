@@ -140,3 +140,24 @@ class Forwarder:
                 raise
             return Relay(name, state.pool, response, retried=i > 0)
         raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)
+
+    async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """One whole request to one engine (no retry: the caller chose the engine for a reason)."""
+        state = self.cluster.engines[engine]
+        self.cluster.begin(engine)
+        try:
+            async with self.upstream.session.request(
+                method,
+                state.config.url + path,
+                data=body,
+                headers={"content-type": "application/json"},
+                timeout=self.upstream.timeout,
+            ) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.upstream_errors.labels(engine, type(exc).__name__).inc()
+            raise UpstreamFailed(
+                f"engine '{engine}' failed: {exc!r}", isinstance(exc, CONNECT_ERRORS)
+            ) from None
+        finally:
+            self.cluster.end(engine)

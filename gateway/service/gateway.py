@@ -27,6 +27,7 @@ from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
 from gateway.protocol import ParsedRequest
 from gateway.service.cluster import Cluster
+from gateway.service.errors import ResponseNotFound
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
@@ -125,7 +126,8 @@ class GatewayService:
         self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
     ) -> Analysis:
         """Read-only: what is known about the request (``dry_run``: not counted as a request)."""
-        return await self.placement.analyze(self.prompts.read(parsed, headers, dry_run))
+        prompt = self.prompts.read(parsed, headers, dry_run)
+        return await self.placement.analyze(prompt, parsed.previous_response_id)
 
     def decide(self, a: Analysis) -> Decision:
         return self.placement.decide(a)
@@ -165,6 +167,26 @@ class GatewayService:
     async def finish(self, plan: Plan, up: Relay, status: str) -> None:
         self.cluster.end(up.engine)
         await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
+
+    async def remember_response(self, response_id: str, up: Relay) -> None:
+        """The engine of ``up`` stored response ``response_id``."""
+        await self.placement.owners.remember(response_id, up.engine, up.pool)
+
+    async def call_owner(self, response_id: str, method: str, path: str) -> tuple[int, bytes]:
+        """A call on a stored response, made on the engine that holds it."""
+        owner = await self.placement.owners.owner(response_id)
+        state = self.cluster.engines.get(owner) if owner is not None else None
+        if state is None or not state.healthy:
+            raise ResponseNotFound(response_id, "response_id")
+        return await self.forwarder.call(owner, method, path, None)
+
+    async def forward_once(
+        self, parsed: ParsedRequest, path: str, raw: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> tuple[int, bytes]:
+        """A request that is not a session turn (token counting): routed as a dry run, sent,
+        answered whole."""
+        d = self.decide(await self.analyze(parsed, headers, dry_run=True))
+        return await self.forwarder.call(d.engine, "POST", path, raw)
 
     # -- sessions ------------------------------------------------------------------------------
     async def end_session(self, session_id: str) -> SessionRecord | None:

@@ -23,10 +23,11 @@ from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind, Siblings, Turn
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
 from gateway.service.cluster import Cluster
-from gateway.service.errors import ModelNotFound, NoCapacity
+from gateway.service.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
 from gateway.service.prompts import PromptRead, Prompts
+from gateway.service.responses import ResponseOwners
 from gateway.service.session_store import SessionStore
 
 __all__ = ["Analysis", "Placement"]
@@ -41,6 +42,10 @@ class Analysis:
     snapshot: Snapshot
     record: SessionRecord | None
     parent: SessionRecord | None = None
+    owner: str | None = None
+    """The one engine that can serve the turn (it holds the stored response it continues)."""
+    owner_of: str | None = None
+    """That stored response's id."""
 
     @property
     def hints(self) -> AgentHints:
@@ -74,6 +79,7 @@ class Placement:
         cap = config.routing.index_capacity_blocks
         self.indexes = {IndexKind.PRECISE: PrefixIndex(cap), IndexKind.APPROX: PrefixIndex(cap)}
         self.siblings = Siblings()
+        self.owners = ResponseOwners(sessions, clock)
 
     @property
     def index(self) -> PrefixIndex:
@@ -81,7 +87,8 @@ class Placement:
         return self.indexes[IndexKind.PRECISE]
 
     # -- reading -------------------------------------------------------------------------------
-    async def analyze(self, prompt: PromptRead) -> Analysis:
+    async def analyze(self, prompt: PromptRead, continues: str | None = None) -> Analysis:
+        """``continues``: the id of a stored response the turn continues (its engine only)."""
         turn = prompt.turn
         h = turn.hints
         now = self.clock()
@@ -101,9 +108,18 @@ class Placement:
             self.cluster.views(),
             self.siblings.view(h.parent_session_id),
         )
-        return Analysis(prompt, req, snap, rec if rec is not None and not rec.ended else None, parent)
+        owner = await self.owners.owner(continues) if continues is not None else None
+        if continues is not None and owner is None:
+            raise ResponseNotFound(continues, "previous_response_id")
+        live = rec if rec is not None and not rec.ended else None
+        return Analysis(prompt, req, snap, live, parent, owner, continues)
 
     def decide(self, a: Analysis) -> Decision:
+        if a.owner is not None:
+            d = pipeline.owner_decision(a.request, a.snapshot, a.owner, self.router.profile.name)
+            if d is None:  # its engine is gone, and the history with it
+                raise ResponseNotFound(a.owner_of or "", "previous_response_id")
+            return d
         try:
             return self.router.route(a.request, a.snapshot)
         except NoEngine as exc:

@@ -36,13 +36,13 @@ class PromptRead:
 
 def prompt_text(parsed: ParsedRequest) -> str:
     """The prompt as text, the approximate hashes' input: each message's role and text content."""
-    body = parsed.body
+    body = parsed.prompt if parsed.prompt is not None else parsed.body
     if parsed.kind == "chat":
         parts = []
         for m in body["messages"]:
             c = m.get("content")
             if isinstance(c, list):
-                c = "\n".join(p.get("text", "") for p in c if isinstance(p, dict))
+                c = "\n".join(t for p in c if isinstance(p, dict) and isinstance(t := p.get("text"), str))
             parts.append(f"<{m.get('role')}>{c if isinstance(c, str) else ''}")
         return "".join(parts)
     p = body["prompt"]
@@ -83,9 +83,10 @@ class Prompts:
     ) -> PromptRead:
         """``dry_run``: the same reading without counting a request (round-robin's counter)."""
         hints, warning = self.hints(parsed, headers)
-        tok = self.tokenizers.get(parsed.model)
+        tok = self.tokenizers.get(parsed.model) if parsed.exact else None
         if tok is not None:
-            info = tok.prompt_info(parsed.kind, parsed.body, None if dry_run else hints.session_id)
+            body = parsed.prompt if parsed.prompt is not None else parsed.body
+            info = tok.prompt_info(parsed.kind, body, None if dry_run else hints.session_id)
             n_tokens, hashes, block_size = info.num_tokens, info.hashes, tok.block_size
         else:
             hashes = approx_hashes(prompt_text(parsed), self.config.routing.approx_chunk_chars)

@@ -1,0 +1,64 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (any query string, e.g. ``?beta=true``) through
+the shared relay, and ``POST /v1/messages/count_tokens`` forwarded to an engine without making a
+session turn. Errors in Anthropic's shape (``{"type": "error", "error": {...}}``); a stream whose
+engine fails ends with Anthropic's ``event: error``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.relay import Wire
+from gateway.errors import ApiError, anthropic_error_body
+from gateway.protocol import ParsedRequest
+from gateway.wire import _check
+from gateway.wire.anthropic import parse_messages
+
+__all__ = ["MESSAGES_WIRE", "router"]
+
+router = APIRouter()
+
+
+def parse(raw: bytes, count_tokens: bool = False) -> ParsedRequest:
+    body = _check.load_object(raw)
+    w = parse_messages(body, count_tokens=count_tokens)
+    assert w.model is not None  # Messages requires a model
+    return ParsedRequest("chat", body, w.model, w.stream, w.text_chars, w.chat, w.exact)
+
+
+def render_error(err: ApiError) -> bytes:
+    return err.anthropic_body()
+
+
+def stream_error(message: str) -> bytes:
+    return b"event: error\ndata: " + anthropic_error_body(502, message) + b"\n\n"
+
+
+MESSAGES_WIRE = Wire("/v1/messages", "/v1/messages", parse, render_error, stream_error)
+
+
+@router.post("/v1/messages/count_tokens", summary="Anthropic token counting (no session turn)")
+async def count_tokens(request: Request) -> Response:
+    svc = request.app.state.service
+    try:
+        raw = await request.body()
+        if len(raw) > svc.config.limits.max_body_bytes:
+            raise ApiError(
+                413,
+                f"request body exceeds {svc.config.limits.max_body_bytes} bytes",
+                None,
+                "request_too_large",
+            )
+        parsed = parse(raw, count_tokens=True)
+        status, body = await svc.forward_once(parsed, "/v1/messages/count_tokens", raw, request.headers.raw)
+    except ApiError as err:
+        return _error(err)
+    except SERVICE_ERRORS as exc:
+        return _error(to_api_error(exc))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def _error(err: ApiError) -> Response:
+    headers = {k.decode(): v.decode() for k, v in err.headers()}
+    return Response(err.anthropic_body(), status_code=err.status, headers=headers)

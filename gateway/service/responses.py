@@ -1,0 +1,48 @@
+"""Which engine holds each stored response. vLLM keeps a stored Responses-API response (and so the
+history a ``previous_response_id`` continues) in the memory of the engine that made it; a request
+that continues it, and every call on ``/v1/responses/{id}``, must reach that engine.
+
+The owner is kept in the session store (memory or Redis: replicas agree), as a record keyed
+``response:<id>`` whose ``home`` is the engine: bounded and expiring with the sessions (a
+response idle past the sessions' TTL is forgotten, as an idle session is).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+from gateway.core.sessions import SessionRecord
+from gateway.service.session_store import SessionStore
+
+__all__ = ["RESPONSE_ID", "ResponseOwners", "find_response_id"]
+
+KEY_PREFIX = "response:"
+#: A response id as vLLM makes them (``resp_`` + hex); other characters are refused as ids.
+RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+_ID_IN_BODY = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,120})"')
+#: How far into a response the gateway looks for its id (it is in the first event or key).
+SCAN_BYTES = 16_384
+
+
+def find_response_id(head: bytes) -> str | None:
+    """The response id in the first bytes of a Responses answer (JSON body or SSE stream)."""
+    m = _ID_IN_BODY.search(head[:SCAN_BYTES])
+    return m.group(1).decode() if m else None
+
+
+class ResponseOwners:
+    def __init__(self, store: SessionStore, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+
+    async def remember(self, response_id: str, engine: str, pool: str) -> None:
+        now = self.clock()
+        await self.store.put(
+            SessionRecord(KEY_PREFIX + response_id, home=engine, pool=pool, created=now, last_activity=now)
+        )
+
+    async def owner(self, response_id: str) -> str | None:
+        rec = await self.store.get(KEY_PREFIX + response_id, self.clock())
+        return rec.home if rec is not None else None
