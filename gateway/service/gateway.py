@@ -38,6 +38,7 @@ from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, SessionView, Snapshot
 from gateway.errors import ApiError
 from gateway.protocol import ParsedRequest
+from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.cluster import Cluster
 from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
@@ -147,6 +148,7 @@ class GatewayService:
             if m.tokenizer
         }
         self.block_sizes = {m.name: m.block_size for m in config.models}
+        self.analyzer = PromptAnalyzer(config.models, config.analysis, metrics)
         self._siblings: dict[str, Counter[str]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
@@ -164,6 +166,7 @@ class GatewayService:
                 self.subscribers.append(sub)
 
     async def stop(self) -> None:
+        await self.analyzer.aclose()
         await self.migrations.stop()
         for sub in self.subscribers:
             await sub.stop()
@@ -210,10 +213,13 @@ class GatewayService:
         rec = await self.sessions.get(sid, now) if sid else None
         if rec is not None and rec.ended:
             rec = None
-        tok = self.tokenizers.get(parsed.model)
-        if tok is not None:
-            info = tok.prompt_info(parsed.kind, parsed.body, sid)
-            n_tokens, hashes, block_size, index = info.num_tokens, info.hashes, tok.block_size, self.index
+        try:
+            info = await self.analyzer.analyze(parsed.model, parsed.kind, parsed.body, sid)
+        except AnalysisSkipped:
+            info = None  # counted by the analyzer; route on the approximate index
+        if info is not None:
+            n_tokens, hashes, index = info.num_tokens, info.hashes, self.index
+            block_size = self.analyzer.block_sizes[parsed.model]
         else:
             hashes = self._approx_hashes(parsed)
             n_tokens = parsed.text_chars // 4
@@ -256,7 +262,7 @@ class GatewayService:
             parent_matches=parent_matches,
             siblings=siblings,
         )
-        return Analysis(hints, req, snap, hashes, tok is not None, rec, warning, parent)
+        return Analysis(hints, req, snap, hashes, info is not None, rec, warning, parent)
 
     def decide(self, a: Analysis) -> Decision:
         try:
@@ -467,8 +473,7 @@ class GatewayService:
         action = plan_after_turn(
             turn, self.cluster.views(), index.match(rec.prefix_hashes), self.migrations.params
         )
-        tok = self.tokenizers.get(parsed_model)
-        tokens = tok.session_tokens(rec.session_id) if tok is not None else None
+        tokens = self.analyzer.session_tokens(rec.session_id)
         self.migrations.submit(action, tokens)
         return action
 
@@ -476,8 +481,7 @@ class GatewayService:
         """The session is over: cancel pending migrations, release its pins, forget it."""
         self.migrations.cancel(session_id, reason="session_end")
         rec = await self.sessions.delete(session_id)
-        for tok in self.tokenizers.values():
-            tok.forget(session_id)
+        self.analyzer.forget(session_id)
         if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
             self.migrations.submit(
                 PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None
