@@ -84,6 +84,29 @@ class ModelConfig(_Strict):
     """The engines' PYTHONHASHSEED (they run --prefix-caching-hash-algo sha256_cbor)."""
 
 
+class AnalysisConfig(_Strict):
+    """Prompt analysis (render, tokenize, hash) off the event loop (gateway/service/analysis.py)."""
+
+    mode: Literal["process", "thread", "inline"] = "process"
+    """process: worker processes; thread: threads; inline: on the event loop (comparisons only)."""
+    workers: int = Field(1, ge=1, le=64)
+    """Workers of the large-prompt lane."""
+    small_workers: int = Field(1, ge=1, le=64)
+    """Workers of the small-prompt lane."""
+    small_chars: int = Field(32_768, ge=0)
+    """Prompts with fewer characters of text go to the small lane."""
+    large_nice: int = Field(10, ge=0, le=19)
+    """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
+    budget_ms: float = Field(5000.0, gt=0)
+    """Longest wait for one analysis; past it the request is routed on the approximate index."""
+    max_backlog: int = Field(16, ge=1)
+    """Requests queued per worker beyond which new ones are routed approximately at once."""
+    cache_bytes: int = Field(512 * 1024 * 1024, gt=0)
+    """Content-keyed token cache, all workers together (fits a 24 GiB machine beside engines)."""
+    session_tokens_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    """Token ids of each session's last prompt, kept for KV prefetch."""
+
+
 class RoutingConfig(_Strict):
     profile: Literal[
         "agentic", "precise_prefix", "cache_aware", "least_loaded", "round_robin", "session_hash"
@@ -162,6 +185,7 @@ class GatewayConfig(BaseSettings):
     sessions: SessionsConfig = SessionsConfig()
     hints: HintsConfig = HintsConfig()
     migration: MigrationConfig = MigrationConfig()
+    analysis: AnalysisConfig = AnalysisConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

@@ -84,7 +84,7 @@ class GatewayService:
         self.sessions = sessions
         self.clock = clock
         kv_events = any(s.config.kv_events for s in cluster.engines.values())
-        self.prompts = Prompts(config, kv_events)
+        self.prompts = Prompts(config, kv_events, metrics)
         self.migrations = MigrationExecutor(
             config.migration, upstream.http, cluster, sessions, metrics, clock
         )
@@ -100,10 +100,6 @@ class GatewayService:
         """The prefix index fed by the engines' KV events."""
         return self.placement.index
 
-    @property
-    def tokenizers(self) -> dict[str, Any]:
-        return self.prompts.tokenizers
-
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self._zmq = zmq.asyncio.Context()
@@ -114,6 +110,7 @@ class GatewayService:
                 self.subscribers.append(sub)
 
     async def stop(self) -> None:
+        await self.prompts.aclose()
         await self.migrations.stop()
         for sub in self.subscribers:
             await sub.stop()
@@ -126,7 +123,7 @@ class GatewayService:
         self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
     ) -> Analysis:
         """Read-only: what is known about the request (``dry_run``: not counted as a request)."""
-        prompt = self.prompts.read(parsed, headers, dry_run)
+        prompt = await self.prompts.read(parsed, headers, dry_run)
         return await self.placement.analyze(prompt, parsed.previous_response_id)
 
     def decide(self, a: Analysis) -> Decision:

@@ -81,6 +81,13 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.analysis_skipped = Counter(
+            "agentgw_analysis_skipped",
+            "Requests routed on the approximate index because exact prompt analysis was skipped",
+            ["reason"],
+            registry=r,
+        )
+
         self._children: dict[tuple[object, ...], object] = {}
 
     def _child(self, metric: object, *labels: str) -> object:
@@ -98,6 +105,9 @@ class GatewayMetrics:
 
     def count_decision(self, profile: str, pool: str, reason: str) -> None:
         self._child(self.decisions, profile, pool, reason).inc()  # type: ignore[attr-defined]
+
+    def count_analysis_skipped(self, reason: str) -> None:
+        self._child(self.analysis_skipped, reason).inc()  # type: ignore[attr-defined]
 
     def observe_ttft(self, route: str, seconds: float) -> None:
         self._child(self.ttft, route).observe(seconds)  # type: ignore[attr-defined]

@@ -131,7 +131,7 @@ class Placement:
         """Where the session's last prompt is cached. Its hashes are exact when its model has a
         tokenizer (and KV events feed the precise index), else approximate."""
         model = model or rec.model
-        exact = model is not None and model in self.prompts.tokenizers
+        exact = model is not None and self.prompts.exact_for(model)
         return self.indexes[pipeline.index_for(exact, self.prompts.kv_events)].match(rec.prefix_hashes)
 
     # -- writing -------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class Placement:
             self.indexes[index].match(rec.prefix_hashes),
             self.migrations.params,
         )
-        self.migrations.submit(action, self.prompts.session_tokens(model, rec.session_id))
+        self.migrations.submit(action, self.prompts.session_tokens(rec.session_id))
         return action
 
     async def end_session(self, session_id: str) -> SessionRecord | None:

@@ -18,7 +18,8 @@ from gateway.config import GatewayConfig
 from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
 from gateway.protocol import ParsedRequest
-from gateway.service.tokenize import ChatTokenizer
+from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
+from gateway.service.metrics import GatewayMetrics
 
 __all__ = ["PromptRead", "Prompts"]
 
@@ -50,15 +51,13 @@ def prompt_text(parsed: ParsedRequest) -> str:
 
 
 class Prompts:
-    def __init__(self, config: GatewayConfig, kv_events: bool) -> None:
+    def __init__(self, config: GatewayConfig, kv_events: bool, metrics: GatewayMetrics) -> None:
         self.config = config
         self.kv_events = kv_events
         """Whether any engine publishes KV events (the precise index is fed)."""
-        self.tokenizers: dict[str, ChatTokenizer] = {
-            m.name: ChatTokenizer(m.tokenizer, m.block_size, m.hash_seed)
-            for m in config.models
-            if m.tokenizer
-        }
+        self.metrics = metrics
+        self.analyzer = PromptAnalyzer(config.models, config.analysis, metrics)
+        """Exact tokens and hashes, off the event loop."""
         self.block_sizes = {m.name: m.block_size for m in config.models}
         self._seq = 0
 
@@ -78,21 +77,36 @@ class Prompts:
                 raise
             return AgentHints(), str(exc)
 
-    def read(
+    def exact_for(self, model: str) -> bool:
+        """Whether ``model``'s prompts get exact hashes (its tokenizer is configured)."""
+        return model in self.analyzer.models
+
+    async def read(
         self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
     ) -> PromptRead:
-        """``dry_run``: the same reading without counting a request (round-robin's counter)."""
+        """``dry_run``: the same reading without counting a request (round-robin's counter) or
+        remembering the session's tokens. A prompt that cannot be analysed exactly in time (or
+        at all: it depends on state held by the engine) is hashed approximately, and counted."""
         hints, warning = self.hints(parsed, headers)
-        tok = self.tokenizers.get(parsed.model) if parsed.exact else None
-        if tok is not None:
+        info = None
+        if not parsed.exact:
+            if self.exact_for(parsed.model):
+                self.metrics.count_analysis_skipped("engine_state")
+        else:
             body = parsed.prompt if parsed.prompt is not None else parsed.body
-            info = tok.prompt_info(parsed.kind, body, None if dry_run else hints.session_id)
-            n_tokens, hashes, block_size = info.num_tokens, info.hashes, tok.block_size
+            sid = None if dry_run else hints.session_id
+            try:
+                info = await self.analyzer.analyze(parsed.model, parsed.kind, body, sid)
+            except AnalysisSkipped:
+                info = None  # counted by the analyzer
+        if info is not None:
+            n_tokens, hashes = info.num_tokens, info.hashes
+            block_size = self.analyzer.block_sizes[parsed.model]
         else:
             hashes = approx_hashes(prompt_text(parsed), self.config.routing.approx_chunk_chars)
             n_tokens = parsed.text_chars // 4
             block_size = max(1, self.config.routing.approx_chunk_chars // 4)
-        exact = tok is not None
+        exact = info is not None
         seq = self._seq
         if not dry_run:
             self._seq += 1
@@ -102,11 +116,12 @@ class Prompts:
     def block_size(self, model: str) -> int:
         return self.block_sizes.get(model, 128)
 
-    def session_tokens(self, model: str, session_id: str) -> list[int] | None:
-        """The session's last prompt token ids, when exact and cached (for a KV prefetch)."""
-        tok = self.tokenizers.get(model)
-        return tok.session_tokens(session_id) if tok is not None else None
+    def session_tokens(self, session_id: str) -> list[int] | None:
+        """The session's last prompt token ids, when exact and kept (for a KV prefetch)."""
+        return self.analyzer.session_tokens(session_id)
 
     def forget(self, session_id: str) -> None:
-        for tok in self.tokenizers.values():
-            tok.forget(session_id)
+        self.analyzer.forget(session_id)
+
+    async def aclose(self) -> None:
+        await self.analyzer.aclose()

@@ -1,34 +1,216 @@
-"""Exact prompt tokens and vLLM block hashes for a request, incrementally per session.
+"""Exact prompt tokens and vLLM block hashes for a request, reused by content across requests.
 
-The chat template is rendered the way transformers renders it for vLLM (a sandboxed Jinja
-environment with ``trim_blocks``/``lstrip_blocks``, ``tojson``, ``raise_exception``), then
-encoded with the model's ``tokenizers`` tokenizer with ``add_special_tokens=False``; text content
-parts are joined with newlines as vLLM does for string templates.
+**Rendering as vLLM 0.32 renders.** A chat request goes through the same normalisation as vLLM's
+chat-completions path (``ChatCompletionRequest`` validation, ``parse_chat_messages``, the tools'
+pydantic dump) before the model's chat template sees it: each tool is dumped as
+``{"type", "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}
+[, "defer_loading"]}`` (``description: null`` added, extra keys dropped); each message is rebuilt
+as ``role, content[, tool_calls, reasoning, reasoning_content | tool_call_id][, name][, task]``
+(other keys dropped); text parts are joined with newlines (or kept as ``{"type": "text", ...}``
+parts when the template iterates over ``message.content``, detected from its AST as vLLM does);
+tool-call items are reordered ``id, function{arguments, name, ...}, type, ...`` and their
+``arguments`` JSON-decoded to an object (``{}`` when empty, malformed or not an object); an empty
+``tool_calls`` list is dropped; ``developer`` turns become ``system`` when the template does not
+know that role. ``chat_template_kwargs`` are merged as vLLM merges them (the request's
+``add_generation_prompt`` wins, ``None`` values are dropped). The template runs in a sandboxed
+Jinja environment configured as transformers configures it; the text is encoded with
+``add_special_tokens=False``. Inputs whose tokens depend on the engine (media parts, a request
+chat template, ``continue_final_message``, truncation) raise :class:`Unsupported`: the caller
+routes them on the approximate index.
 
-Incremental: for each session the previous rendered text, its token ids and the token offset of
-every special-token boundary are kept. Special tokens are split out before BPE runs, so the text
-after a boundary tokenizes independently of what precedes it: a new turn re-encodes only from the
-last boundary inside the common text prefix, and re-hashes only new full blocks
-(:class:`~gateway.core.block_hash.HashChain`). Bounded: at most ``capacity`` sessions are cached
-(LRU).
+**Content-keyed incremental cache.** A request's key chain is ``k_0 = H(kind, tools, template
+kwargs, cache_salt)``, ``k_i = H(k_{i-1}, H(message_i))`` (a completions prompt is cut in
+fixed-size chunks instead of messages). Every cached entry (rendered text, token ids as an
+``array``, special-token boundaries, raw block hashes) is findable under each of its keys, so a
+request whose first ``i`` messages equal a cached entry's (the next turn of a session, another
+session with the same system prompt and tools, a turn that was served by another replica) starts
+from that entry. Only the longest common *text* prefix is trusted, and only up to the last
+special-token boundary inside it: special tokens are split out before BPE runs, so the text after
+a boundary tokenizes independently of what precedes it. Only new full blocks are hashed.
+Entries are immutable once stored (a new request builds new arrays), so a
+:attr:`PromptInfo.tokens` handed out stays valid. Bounded by bytes (``cache_bytes``), LRU.
+Thread-safe: one lock guards the index; encoding and hashing run outside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections import OrderedDict
+import sys
+import threading
+from array import array
+from bisect import bisect_right
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2.nodes as jn
+import orjson
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from gateway.core.block_hash import HashChain, common_prefix_len
+from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
 from gateway.errors import ApiError
+
+__all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
+
+DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+PROMPT_CHUNK_CHARS = 4096
+"""A completions prompt is keyed in chunks of this many characters."""
+TOKEN_CHUNK = 2048
+"""A token-id prompt is keyed in chunks of this many tokens."""
+
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# parameters of transformers' apply_chat_template that it consumes instead of the template
+_HF_CONSUMED = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+    }
+)
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+_MEDIA_KEYS = frozenset(
+    {
+        "image_url",
+        "image_pil",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "audio_url",
+        "input_audio",
+        "video_url",
+        "input_image",
+        "file",
+    }
+)
+# every key of vLLM's content-part TypedDicts (vllm.renderers.chat_utils._KNOWN_CONTENT_PART_FIELDS)
+_KNOWN_PART_KEYS = frozenset(
+    {
+        "audio_embeds",
+        "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
+        "video_url",
+    }
+)
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+class Unsupported(Exception):
+    """The request's tokens depend on something the gateway cannot reproduce exactly."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    num_tokens: int
+    hashes: list[int]
+    """External block hashes of the full blocks."""
+    encoded_tokens: int
+    """Tokens actually encoded for this request (the incremental cost)."""
+    tokens: Sequence[int] = ()
+    """The prompt's token ids (an ``array``; shared with the cache: never mutate it)."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    text: str
+    tokens: array[int]
+    bound_starts: array[int]
+    """Char offset of each special token's start (the first bound is a pseudo one at 0)."""
+    bound_ends: array[int]
+    """Char offset of each special token's end, ascending."""
+    bound_toks: array[int]
+    """Token offset of each special token."""
+    raw: list[bytes]
+    hashes: list[int]
+    keys: list[bytes]
+    nbytes: int = 0
+    live: int = 0
+    """How many keys of the index still point at this entry."""
+
+
+# -- hashing of content ---------------------------------------------------------------------------
+
+
+def _h(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _dumps(obj: Any, param: str) -> bytes:
+    """Canonical-enough bytes of a JSON value (key order kept: templates see it)."""
+    try:
+        return orjson.dumps(obj)
+    except (orjson.JSONEncodeError, TypeError):
+        pass  # deeper than orjson's 255 levels, or an int beyond 64 bits
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    except RecursionError:
+        raise ApiError(400, f"'{param}' is nested too deeply", param, "invalid_value") from None
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from None
+
+
+def _chain(root: bytes, parts: Iterator[bytes]) -> list[bytes]:
+    keys = [root]
+    k = root
+    for d in parts:
+        k = _h(k + d)
+        keys.append(k)
+    return keys
+
+
+def affinity_key(kind: str, body: dict[str, Any]) -> bytes:
+    """A cheap key of the start of a prompt (first message or first chunk), to send requests that
+    share a beginning to the same worker, whose content-keyed cache then holds it."""
+    if kind == "chat":
+        msgs = body.get("messages")
+        first = msgs[0] if isinstance(msgs, list) and msgs else None
+        c = first.get("content") if isinstance(first, dict) else None
+        data = c.encode("utf-8", "surrogatepass")[:4096] if isinstance(c, str) else repr(c)[:4096].encode()
+        return _h(data + repr(body.get("tools"))[:1024].encode())
+    p = body.get("prompt")
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        return _h(p[:PROMPT_CHUNK_CHARS].encode("utf-8", "surrogatepass"))
+    return _h(repr(p[:TOKEN_CHUNK] if isinstance(p, list) else p).encode())
+
+
+# -- the chat template ------------------------------------------------------------------------------
 
 
 def _raise(message: str) -> None:
@@ -45,26 +227,178 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@dataclass(slots=True)
-class _Cached:
-    text: str
-    bounds: list[tuple[int, int]]
-    """(char offset, token offset) of each special-token start, ascending."""
-    chain: HashChain
+def _is_name(node: jn.Node, name: str) -> bool:
+    return isinstance(node, jn.Name) and node.ctx == "load" and node.name == name
 
 
-@dataclass(frozen=True, slots=True)
-class PromptInfo:
-    num_tokens: int
-    hashes: list[int]
-    """External block hashes of the full blocks."""
-    encoded_tokens: int
-    """Tokens actually encoded for this request (the incremental cost)."""
+def _is_access(node: jn.Node, name: str, key: str | None = None) -> bool:
+    """``name`` (or ``name.key`` / ``name['key']``), through filters, tests and slices."""
+    if isinstance(node, (jn.Filter, jn.Test)):
+        return node.node is not None and _is_access(node.node, name, key)
+    if isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+        return _is_access(node.node, name, key)
+    if key is None:
+        return _is_name(node, name)
+    if isinstance(node, jn.Getitem):
+        return _is_name(node.node, name) and isinstance(node.arg, jn.Const) and node.arg.value == key
+    if isinstance(node, jn.Getattr):
+        return _is_name(node.node, name) and node.attr == key
+    return False
+
+
+def _content_format(env: ImmutableSandboxedEnvironment, source: str) -> str:
+    """``openai`` when the template loops over a message's content (parts stay structured),
+    else ``string`` (text parts are joined): the rule of vLLM's ``_detect_content_format``."""
+    try:
+        ast = env.parse(source)
+    except TemplateError:
+        return "string"
+    aliases, queue = ["messages"], deque(["messages"])
+    while queue:  # variables assigned from `messages` (or its elements)
+        var = queue.popleft()
+        for a in ast.find_all(jn.Assign):
+            name = a.target.name if isinstance(a.target, jn.Name) else None
+            if name is not None and name not in aliases and _is_access(a.node, var):
+                aliases.append(name)
+                queue.append(name)
+    msg_vars = [
+        loop.target.name
+        for loop in ast.find_all(jn.For)
+        if isinstance(loop.target, jn.Name) and any(_is_access(loop.iter, v) for v in aliases)
+    ]
+    in_macro: set[int] = set()
+    macro_params: dict[int, set[str]] = {}
+    for macro in ast.find_all(jn.Macro):
+        names = [a.name for a in macro.args]
+        params: set[str] = set()
+        for call in ast.find_all(jn.Call):
+            if not _is_name(call.node, macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(names) and any(_is_access(arg, v, "content") for v in msg_vars):
+                    params.add(names[i])
+            for kw in call.kwargs:
+                if kw.key in names and any(_is_access(kw.value, v, "content") for v in msg_vars):
+                    params.add(kw.key)
+        for loop in macro.find_all(jn.For):
+            in_macro.add(id(loop))
+            if params:
+                macro_params[id(loop)] = params
+    for loop in ast.find_all(jn.For):
+        it = loop.iter
+        if any(_is_access(it, v, "content") for v in msg_vars):
+            return "openai"
+        if isinstance(it, jn.Name) and it.name in macro_params.get(id(loop), ()):
+            return "openai"
+        if id(loop) not in in_macro and isinstance(it, jn.Name) and it.name == "content":
+            return "openai"
+    return "string"
+
+
+# -- vLLM's request normalisation -------------------------------------------------------------------
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
+
+
+def _opt_bool(v: Any, param: str) -> bool | None:
+    """pydantic's lax bool."""
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in (
+        "true",
+        "false",
+        "1",
+        "0",
+        "yes",
+        "no",
+        "on",
+        "off",
+        "t",
+        "f",
+        "y",
+        "n",
+    ):
+        return v.lower() in ("true", "1", "yes", "on", "t", "y")
+    raise _bad(param, f"'{param}' must be a boolean")
+
+
+def _tool_dict(tool: Any, i: int) -> dict[str, Any]:
+    """``ChatCompletionToolsParam(**tool).model_dump()``."""
+    p = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise _bad(p, f"'{p}' must be an object")
+    if tool.get("type", "function") != "function":
+        raise _bad(f"{p}.type", f"'{p}.type' must be 'function'")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise _bad(f"{p}.function", f"'{p}.function' must be an object")
+    name = fn.get("name")
+    if not isinstance(name, str):
+        raise _bad(f"{p}.function.name", f"'{p}.function.name' must be a string")
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise _bad(f"{p}.function.description", f"'{p}.function.description' must be a string")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise _bad(f"{p}.function.parameters", f"'{p}.function.parameters' must be an object")
+    strict = _opt_bool(fn.get("strict"), f"{p}.function.strict")
+    defer = _opt_bool(tool.get("defer_loading"), f"{p}.defer_loading")
+    fn_defer = _opt_bool(fn.get("defer_loading"), f"{p}.function.defer_loading")
+    if defer is not None and fn_defer is None:
+        fn_defer = defer
+    out_fn: dict[str, Any] = {"name": name, "description": desc, "parameters": params}
+    if strict is not None:
+        out_fn["strict"] = strict
+    if fn_defer is not None:
+        out_fn["defer_loading"] = fn_defer
+    out: dict[str, Any] = {"type": "function", "function": out_fn}
+    if defer is not None:
+        out["defer_loading"] = defer
+    return out
+
+
+def _tool_call(item: Any, param: str) -> dict[str, Any]:
+    """A tool-call item as pydantic hands it on (fields in TypedDict order, then the rest), with
+    ``arguments`` decoded as vLLM's ``_postprocess_messages`` decodes it."""
+    if not isinstance(item, dict):
+        raise _bad(param, "assistant tool_calls entries must be objects.")
+    fn = item.get("function")
+    if item.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise _bad(param, "chat completions only support assistant tool_calls of type 'function'.")
+    new_fn = {k: fn[k] for k in ("arguments", "name") if k in fn}
+    new_fn.update((k, v) for k, v in fn.items() if k not in new_fn)
+    args = new_fn.get("arguments")
+    if not args:
+        parsed: Any = {}
+    elif isinstance(args, dict):
+        parsed = args
+    else:
+        parsed = args
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except (json.JSONDecodeError, RecursionError):
+                parsed = {}
+        if not isinstance(parsed, dict):
+            parsed = {}
+    new_fn["arguments"] = parsed
+    out = {k: item[k] for k in ("id", "function", "type") if k in item}
+    out.update((k, v) for k, v in item.items() if k not in out)
+    out["function"] = new_fn
+    return out
 
 
 class ChatTokenizer:
     def __init__(
-        self, model_dir: str | Path, block_size: int, hash_seed: str | None, capacity: int = 4096
+        self,
+        model_dir: str | Path,
+        block_size: int,
+        hash_seed: str | None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         d = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -80,35 +414,187 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(template)
-        self.special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        self.content_format = _content_format(env, template)
+        self.knows_developer = '"developer"' in template or "'developer'" in template
+        self.special: dict[str, str] = {}
+        for k in _SPECIAL_ATTRS:
+            v = cfg.get(k)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str):
+                self.special[k] = v
         self._special_ids = frozenset(
             i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special
         )
+        with_sp = self.tokenizer.encode("a", add_special_tokens=True).ids
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        cut = with_sp.index(plain[0]) if plain and plain[0] in with_sp else 0
+        self._prompt_prefix = with_sp[:cut] if with_sp[cut:] == plain else None
+        """Token ids a completions prompt starts with (vLLM's add_special_tokens=True), or None
+        when the tokenizer adds anything but a prefix."""
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self.capacity = capacity
-        self._cache: OrderedDict[str, _Cached] = OrderedDict()
+        self._none = none_hash(hash_seed)
+        self.cache_bytes = cache_bytes
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._index: dict[bytes, _Entry] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.incremental = self._splits_at_special_tokens()
+        """Whether text after a special token encodes independently of the text before it (true of
+        byte-level BPE; checked on a probe at start-up, else every prompt is encoded whole)."""
 
-    def render(self, body: dict[str, Any]) -> str:
-        messages = []
-        for m in body["messages"]:
-            c = m.get("content")
-            if isinstance(c, list):
-                c = "\n".join(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-            messages.append({**m, "content": c})
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+    def _splits_at_special_tokens(self) -> bool:
+        added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        if not added:
+            return False
+        probe_a, probe_b = "Hello, world.\n  x = 1 ", " déjà vu\n\nEnd"
+        whole = self.tokenizer.encode(probe_a + added[0] + probe_b, add_special_tokens=False).ids
+        first = self.tokenizer.encode(probe_a, add_special_tokens=False).ids
+        rest = self.tokenizer.encode(added[0] + probe_b, add_special_tokens=False).ids
+        return whole == first + rest
+
+    # -- normalisation and rendering ------------------------------------------------------------
+    def _content(self, role: str, content: Any, i: int) -> Any:
+        param = f"messages[{i}].content"
+        if content is None:
+            parts: list[Any] = []
+        elif isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, list):
+            parts = content
+        else:
+            raise _bad(param, f"'{param}' must be a string, an array of content parts or null")
+        openai = self.content_format == "openai"
+        out: list[Any] = []
+        for j, part in enumerate(parts):
+            if isinstance(part, str):
+                if role == "system" and part.startswith(_BILLING_HEADER):
+                    part = part.partition("\n")[2]
+                    if not part:
+                        continue
+                out.append({"type": "text", "text": part} if openai else part)
+                continue
+            if not isinstance(part, dict):
+                raise _bad(f"{param}[{j}]", f"'{param}[{j}]' must be an object (a content part)")
+            kind = part.get("type")
+            if kind is None or part.get("uuid") is not None or kind not in (*_TEXT_PART_KEYS, "thinking"):
+                if kind in _MEDIA_KEYS or any(k in part for k in _MEDIA_KEYS):
+                    raise Unsupported("media content")
+                if kind == "tool_reference" or (kind is None and "tool_reference" in part):
+                    name = part.get("name")
+                    if openai:
+                        out.append({"type": "tool_reference", "name": name})
+                    elif name:
+                        out.append(name)
+                    continue
+                if kind is None:
+                    raise _bad(f"{param}[{j}].type", "Missing 'type' field in multimodal part.")
+                raise _bad(f"{param}[{j}].type", f"Unsupported chat content part type: {kind!r}.")
+            text = part.get("thinking" if kind == "thinking" else _TEXT_PART_KEYS[kind])
+            if text is None and kind != "thinking":
+                continue
+            if (
+                role == "system"
+                and kind == "text"
+                and isinstance(text, str)
+                and text.startswith(_BILLING_HEADER)
+            ):
+                text = text.partition("\n")[2]
+                if not text:
+                    continue
+            if openai:
+                extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_KEYS}
+                out.append({"type": "text", "text": text, **extra})
+            elif text:
+                if not isinstance(text, str):
+                    raise _bad(f"{param}[{j}].text", f"'{param}[{j}].text' must be a string")
+                out.append(text)
+        if not openai:
+            return "\n".join(out)
+        if role == "tool" and not any(p.get("type") != "text" for p in out):
+            return "\n".join(p.get("text") or "" for p in out)
+        return out
+
+    def normalize(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """vLLM's conversation and tool dicts for a chat body (the body is not modified)."""
+        if body.get("chat_template") is not None:
+            raise Unsupported("request chat_template")
+        if body.get("continue_final_message"):
+            raise Unsupported("continue_final_message")
+        if body.get("add_special_tokens") or body.get("truncate_prompt_tokens") is not None:
+            raise Unsupported("add_special_tokens / truncate_prompt_tokens")
+        tools_in = body.get("tools")
+        tools = None if tools_in is None else [_tool_dict(t, i) for i, t in enumerate(tools_in)]
+        conv: list[dict[str, Any]] = []
+        for i, m in enumerate(body["messages"]):
+            role = m["role"]
+            msg: dict[str, Any] = {"role": role, "content": self._content(role, m.get("content"), i)}
+            if role == "assistant":
+                calls = m.get("tool_calls")
+                if calls is not None:
+                    if not isinstance(calls, list):
+                        raise _bad(
+                            f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls' must be an array"
+                        )
+                    if calls:
+                        msg["tool_calls"] = [
+                            _tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)
+                        ]
+                reasoning = m.get("reasoning")
+                if reasoning is None:
+                    reasoning = m.get("reasoning_content")
+                if reasoning is not None:
+                    msg["reasoning"] = msg["reasoning_content"] = reasoning
+            elif role == "tool" and "tool_call_id" in m:
+                msg["tool_call_id"] = m["tool_call_id"]
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+            if isinstance(m.get("task"), str):
+                msg["task"] = m["task"]
+            if role == "developer":
+                msg["tools"] = m.get("tools")
+            conv.append(msg)
+        if not self.knows_developer and any(m["role"] == "developer" for m in conv):
+            conv = _developer_as_system(conv)
+        return conv, tools
+
+    def template_kwargs(self, body: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """What the template receives besides ``messages`` (vLLM's merge of defaults, the request's
+        ``chat_template_kwargs`` and its own fields, then transformers' special tokens)."""
+        user = body.get("chat_template_kwargs") or {}
+        if "chat_template" in user or "tokenize" in user:
+            raise _bad("chat_template_kwargs", "Found unexpected chat template kwargs from request")
+        kw: dict[str, Any] = {"tools": tools}
+        kw.update(
+            (k, v) for k, v in user.items() if v is not None and not (isinstance(v, str) and v == "auto")
+        )
+        effort = body.get("reasoning_effort")
+        extra: dict[str, Any] = {
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "documents": body.get("documents"),
+            "reasoning_effort": effort,
+        }
+        if effort is not None and "enable_thinking" not in user:
+            extra["enable_thinking"] = effort != "none"
+        kw.update(
+            (k, v) for k, v in extra.items() if v is not None and not (isinstance(v, str) and v == "auto")
+        )
+        out = {**self.special, **{k: v for k, v in kw.items() if k not in _HF_CONSUMED}}
+        out.setdefault("documents", None)
+        out.setdefault("add_generation_prompt", False)
+        return out
+
+    def _render(self, conv: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
-            return self.template.render(
-                messages=messages,
-                tools=body.get("tools"),
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                **self.special,
-                **kwargs,
-            )
+            return self.template.render(messages=conv, **kwargs)
         except TemplateError as exc:
             raise ApiError(
                 400, f"the chat template rejected 'messages': {exc}", "messages", "invalid_messages"
             ) from None
+        except RecursionError:
+            field = "tools" if kwargs.get("tools") else "messages"
+            raise ApiError(400, f"'{field}' is nested too deeply", field, "invalid_value") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
             # the template met a value of a shape it does not handle (e.g. a tool as a number)
             raise ApiError(
@@ -118,60 +604,208 @@ class ChatTokenizer:
                 "invalid_messages",
             ) from None
 
-    def prompt_info(self, kind: str, body: dict[str, Any], session_id: str | None) -> PromptInfo:
+    def render(self, body: dict[str, Any]) -> str:
+        """The prompt text vLLM renders for a chat body."""
+        conv, tools = self.normalize(body)
+        return self._render(conv, self.template_kwargs(body, tools))
+
+    # -- tokens and hashes ----------------------------------------------------------------------
+    def prompt_info(self, kind: str, body: dict[str, Any]) -> PromptInfo:
+        """Token ids and block hashes of a chat or completions body. Raises :class:`ApiError`
+        (400) for a body the template rejects and :class:`Unsupported` when not exact."""
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         if kind == "chat":
-            text = self.render(body)
-        else:
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return self._from_tokens(list(prompt), session_id)
-            if not isinstance(prompt, str):
-                prompt = (
-                    prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else ""
-                )
-            text = prompt
-        prev = self._cache.pop(session_id, None) if session_id else None
-        base_char, base_tok = 0, 0
+            conv, tools = self.normalize(body)
+            kwargs = self.template_kwargs(body, tools)
+            root = _h(b"chat\0" + _dumps([kwargs, salt], "tools"))
+            keys = _chain(root, (_h(_dumps(m, f"messages[{i}]")) for i, m in enumerate(conv)))
+            text = self._render(conv, kwargs)
+            return self._from_text(text, keys, salt, ())
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return self._from_tokens(prompt, salt)
+        if isinstance(prompt, list):
+            prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
+        if not isinstance(prompt, str):
+            prompt = ""
+        if self._prompt_prefix is None:
+            raise Unsupported("the tokenizer adds special tokens after a prompt")
+        step = PROMPT_CHUNK_CHARS
+        root = _h(b"text\0" + _dumps(salt, "cache_salt"))
+        chunks = (
+            _h(prompt[i : i + step].encode("utf-8", "surrogatepass")) for i in range(0, len(prompt), step)
+        )
+        return self._from_text(prompt, _chain(root, chunks), salt, self._prompt_prefix)
+
+    def _lookup(self, keys: list[bytes]) -> _Entry | None:
+        with self._lock:
+            for k in reversed(keys):
+                e = self._index.get(k)
+                if e is not None:
+                    self._entries.move_to_end(id(e))
+                    return e
+        return None
+
+    def _from_text(self, text: str, keys: list[bytes], salt: str | None, prefix: Sequence[int]) -> PromptInfo:
+        prev = self._lookup(keys) if self.incremental else None
         if prev is not None:
-            keep_chars = common_prefix_len(prev.text, text)
-            nb = 0
-            for b in prev.bounds:
-                if b[0] > keep_chars:
-                    break
-                base_char, base_tok = b
-                nb += 1
-            bounds = prev.bounds
-            del bounds[max(0, nb - 1) :]  # the boundary we restart from is found again below
-            chain = prev.chain
+            keep_chars = common_prefix_len(prev.text, text)  # type: ignore[arg-type]  # str is fine
+            # restart at the last special token lying wholly inside the common text: the new text
+            # has it too, so the text before it was a segment of its own in both
+            nb = bisect_right(prev.bound_ends, keep_chars)  # >= 1: the pseudo bound ends at 0
+            base_char, base_tok = prev.bound_starts[nb - 1], prev.bound_toks[nb - 1]
+            starts, ends, toks = (
+                prev.bound_starts[: nb - 1],
+                prev.bound_ends[: nb - 1],
+                prev.bound_toks[: nb - 1],
+            )
+            tokens = prev.tokens[:base_tok]
         else:
-            bounds = []
-            chain = HashChain(self.block_size, self.hash_seed, body.get("cache_salt"))
-        enc = self.tokenizer.encode(text[base_char:], add_special_tokens=False)
+            base_char, base_tok = 0, len(prefix)
+            starts, ends, toks = array("q"), array("q"), array("q")
+            tokens = array("i", prefix)
+        # encode_batch releases the GIL while it runs (encode does not)
+        enc = self.tokenizer.encode_batch([text[base_char:]], add_special_tokens=False)[0]
         ids = enc.ids
-        special = self._special_ids
-        offsets = enc.offsets
-        bounds += [(base_char + offsets[i][0], base_tok + i) for i, t in enumerate(ids) if t in special]
-        chain.replace_tail(base_tok, ids)
-        tokens = chain.tokens
-        if session_id:
-            self._remember(session_id, _Cached(text, bounds, chain))
-        return PromptInfo(len(tokens), list(chain.hashes), len(ids))
+        if not starts:
+            starts.append(0)
+            ends.append(0)
+            toks.append(len(prefix))
+        for i in self._special_positions(ids):
+            a, b = enc.token_to_chars(i) or (0, 0)
+            starts.append(base_char + a)
+            ends.append(base_char + b)
+            toks.append(base_tok + i)
+        tokens.extend(ids)
+        raw, hashes = self._hash(tokens, prev, base_tok, salt)
+        self._store(_Entry(text, tokens, starts, ends, toks, raw, hashes, keys))
+        return PromptInfo(len(tokens), list(hashes), len(ids), tokens)
 
-    def _from_tokens(self, tokens: list[int], session_id: str | None) -> PromptInfo:
-        chain = HashChain(self.block_size, self.hash_seed)
-        chain.update(tokens)
-        return PromptInfo(len(tokens), list(chain.hashes), len(tokens))
+    def _special_positions(self, ids: list[int]) -> list[int]:
+        """Indices of the special tokens in ``ids``, ascending (one C scan per special id)."""
+        out: list[int] = []
+        present = self._special_ids.intersection(ids) if len(self._special_ids) < 64 else self._special_ids
+        for sid in present:
+            i = -1
+            try:
+                while True:
+                    i = ids.index(sid, i + 1)
+                    out.append(i)
+            except ValueError:
+                pass
+        out.sort()
+        return out
 
-    def _remember(self, session_id: str, entry: _Cached) -> None:
-        self._cache[session_id] = entry
-        self._cache.move_to_end(session_id)
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
+    def _hash(
+        self, tokens: array[int], prev: _Entry | None, start: int, salt: str | None
+    ) -> tuple[list[bytes], list[int]]:
+        bs = self.block_size
+        keep = 0
+        if prev is not None:
+            keep = min(len(prev.raw), (start + common_prefix_len(prev.tokens[start:], tokens[start:])) // bs)
+        raw, hashes = prev.raw[:keep] if prev else [], prev.hashes[:keep] if prev else []
+        parent = raw[-1] if raw else None
+        for i in range(keep, len(tokens) // bs):
+            extra = (salt,) if (i == 0 and salt) else None
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
+            raw.append(parent)
+            hashes.append(external(parent))
+        return raw, hashes
 
-    def session_tokens(self, session_id: str) -> list[int] | None:
-        """The last prompt's token ids of a session (a copy), if cached."""
-        entry = self._cache.get(session_id)
-        return list(entry.chain.tokens) if entry is not None else None
+    def _from_tokens(self, prompt: list[int], salt: str | None) -> PromptInfo:
+        tokens = array("i")
+        try:
+            tokens.extend(prompt)
+        except (TypeError, OverflowError):
+            raise _bad("prompt", "'prompt' token ids must be integers") from None
+        root = _h(b"ids\0" + _dumps(salt, "cache_salt"))
+        step = TOKEN_CHUNK
+        keys = _chain(root, (_h(tokens[i : i + step].tobytes()) for i in range(0, len(tokens), step)))
+        prev = self._lookup(keys)
+        raw, hashes = self._hash(tokens, prev, 0, salt)
+        new_blocks = len(hashes) - (min(len(prev.raw), len(hashes)) if prev else 0)
+        zero = array("q", [0])
+        self._store(_Entry("", tokens, zero, zero, zero, raw, hashes, keys))
+        return PromptInfo(len(tokens), list(hashes), new_blocks * self.block_size, tokens)
 
-    def forget(self, session_id: str) -> None:
-        self._cache.pop(session_id, None)
+    # -- the bounded index ----------------------------------------------------------------------
+    @staticmethod
+    def _size(e: _Entry) -> int:
+        return (
+            sys.getsizeof(e.text)
+            + e.tokens.itemsize * len(e.tokens)
+            + 24 * len(e.bound_toks)
+            + 120 * len(e.raw)
+            + 130 * len(e.keys)
+            + 400
+        )
+
+    def _store(self, e: _Entry) -> None:
+        e.nbytes = self._size(e)
+        if e.nbytes > self.cache_bytes:
+            return
+        with self._lock:
+            self._entries[id(e)] = e
+            for k in e.keys:
+                old = self._index.get(k)
+                if old is not None:
+                    old.live -= 1
+                    if old.live <= 0:
+                        self._drop(old)  # a newer entry took over every key (the next turn)
+                self._index[k] = e
+                e.live += 1
+            self._bytes += e.nbytes
+            while self._bytes > self.cache_bytes and self._entries:
+                self._drop(next(iter(self._entries.values())))
+
+    def _drop(self, e: _Entry) -> None:
+        """Remove an entry (the lock is held)."""
+        if self._entries.pop(id(e), None) is None:
+            return
+        self._bytes -= e.nbytes
+        for k in e.keys:
+            if self._index.get(k) is e:
+                del self._index[k]
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def cached_entries(self) -> int:
+        return len(self._entries)
+
+
+def _developer_as_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's conversion for templates without a developer role: developer turns become system
+    turns, then all system turns merge into one at the front when one is not first."""
+    out = []
+    for m in conv:
+        if m["role"] == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        out.append(m)
+    texts: list[str] = []
+    rest: list[dict[str, Any]] = []
+    merge = False
+    for i, m in enumerate(out):
+        if m["role"] != "system":
+            rest.append(m)
+            continue
+        if i > 0 or texts:
+            merge = True
+        c = m.get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(
+                p["text"] if isinstance(p, dict) else p
+                for p in c
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if c:
+            texts.append(c)
+    if not merge:
+        return out
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]

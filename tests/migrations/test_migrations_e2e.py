@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,8 @@ def test_fan_out_replicates_the_shared_prefix_before_subagents_arrive(
     assert others and home not in others
     # before any subagent request: every chosen engine holds the parent's prefix (KV events)
     svc = kv_gateway.service
-    rec_hashes = svc.tokenizers[MODEL]._cache["fan-p"].chain.hashes
+    rec = asyncio.run_coroutine_threadsafe(svc.sessions.get("fan-p", svc.clock()), kv_gateway.loop).result(10)
+    rec_hashes = rec.prefix_hashes
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         matches = svc.index.match(rec_hashes)

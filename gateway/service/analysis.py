@@ -1,0 +1,309 @@
+"""Prompt analysis (chat-template render, tokenization, block hashing) off the event loop.
+
+One :class:`PromptAnalyzer` per app. Requests go to one of two lanes by the size of their prompt
+text: ``small`` (under ``analysis.small_chars`` characters) and ``large``, so that a small request
+never waits behind a 200K-token first turn. Each lane runs on its own workers:
+
+- ``process`` (the default): single-process pools (``spawn``), one :class:`ChatTokenizer` per
+  model in each (the per-process state a pool initializer sets up). Large-lane workers run at a
+  lower CPU priority (``nice``), so the event loop and the small lane preempt them. A request
+  goes to the worker picked by the content key of its first message
+  (:func:`~gateway.service.tokenize.affinity_key`), so the content-keyed cache of that worker
+  holds the conversation's earlier turns and every session sharing its system prompt; when that
+  worker's backlog is full, the least-loaded one. The body is pickled by the pool's feeder
+  thread, not on the loop.
+- ``thread``: thread pools sharing one tokenizer (and cache) per model. Tokenizers' ``encode_batch``
+  releases the GIL, but templating, hashing and pickling do not.
+- ``inline``: on the event loop, as before this module existed (for comparisons only).
+
+Each request has a budget (``budget_ms``): past it, or when its worker already has
+``max_backlog`` requests queued, :meth:`PromptAnalyzer.analyze` raises :class:`AnalysisSkipped`
+and the caller routes on the approximate index; the work itself is not cancelled, so the cache
+still warms for the next turn. Skips are counted in ``agentgw_analysis_skipped_total{reason}``.
+
+It also keeps the token ids of each session's last prompt (for KV prefetch), bounded by bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import multiprocessing
+import os
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import AnalysisConfig, ModelConfig
+from gateway.errors import ApiError
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
+
+__all__ = ["AnalysisSkipped", "PromptAnalyzer", "prompt_chars"]
+
+_Spec = tuple[str, str, int, str | None]
+"""(model name, tokenizer dir, block size, hash seed)"""
+
+
+class AnalysisSkipped(Exception):
+    """No exact analysis for this request: route it on the approximate index."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def prompt_chars(kind: str, body: dict[str, Any]) -> int:
+    """Characters of prompt text (an estimate of the analysis work; O(messages))."""
+    if kind != "chat":
+        p = body.get("prompt")
+        if isinstance(p, str):
+            return len(p)
+        return 4 * len(p) if isinstance(p, list) else 0
+    n = 0
+    for m in body.get("messages") or ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(t) for p in c if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+        if isinstance(m, dict) and m.get("tool_calls"):
+            n += 256 * len(m["tool_calls"])
+    return n + 512 * len(body.get("tools") or ())
+
+
+# -- the worker side (a process of a pool) ------------------------------------------------------
+
+_worker_tokenizers: dict[str, ChatTokenizer] = {}
+"""Per worker process: set once by :func:`_init_worker`, the pool initializer."""
+
+
+def _init_worker(specs: Sequence[_Spec], cache_bytes: int, nice: int) -> None:
+    if nice:
+        os.nice(nice)
+    for name, path, block_size, seed in specs:
+        _worker_tokenizers[name] = ChatTokenizer(path, block_size, seed, cache_bytes)
+
+
+def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
+    """A picklable outcome: ("ok", n, hashes, encoded, token bytes), ("api", ...) or
+    ("unsupported", reason). (ApiError does not survive pickling.)"""
+    try:
+        info = tok.prompt_info(kind, body)
+    except ApiError as exc:
+        return ("api", exc.status, exc.message, exc.param, exc.code)
+    except Unsupported as exc:
+        return ("unsupported", exc.reason)
+    tokens = info.tokens
+    data = tokens.tobytes() if isinstance(tokens, array) else array("i", tokens).tobytes()
+    return ("ok", info.num_tokens, info.hashes, info.encoded_tokens, data)
+
+
+def _work(model: str, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
+    return _run(_worker_tokenizers[model], kind, body)
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _outcome(out: tuple[Any, ...]) -> PromptInfo:
+    if out[0] == "api":
+        raise ApiError(out[1], out[2], out[3], out[4])
+    if out[0] == "unsupported":
+        raise AnalysisSkipped(f"unsupported: {out[1]}")
+    tokens = array("i")
+    tokens.frombytes(out[4])
+    return PromptInfo(out[1], out[2], out[3], tokens)
+
+
+# -- the loop side ------------------------------------------------------------------------------
+
+
+class _Lane:
+    """The workers of one lane and the requests each has queued."""
+
+    def __init__(self, name: str, pools: list[cf.Executor]) -> None:
+        self.name = name
+        self.pools = pools
+        self.backlog = [0] * len(pools)
+
+    def pick(self, key: bytes, max_backlog: int) -> int | None:
+        i = int.from_bytes(key[:8], "big") % len(self.pools)
+        if self.backlog[i] < max_backlog:
+            return i
+        j = min(range(len(self.pools)), key=self.backlog.__getitem__)
+        return j if self.backlog[j] < max_backlog else None
+
+
+class PromptAnalyzer:
+    def __init__(
+        self,
+        models: Sequence[ModelConfig],
+        config: AnalysisConfig,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.specs: list[_Spec] = [
+            (m.name, m.tokenizer, m.block_size, m.hash_seed) for m in models if m.tokenizer
+        ]
+        self.models = frozenset(s[0] for s in self.specs)
+        self.block_sizes = {s[0]: s[2] for s in self.specs}
+        self.skipped: dict[str, int] = {}
+        self._sessions: OrderedDict[str, array[int]] = OrderedDict()
+        self._session_bytes = 0
+        self.tokenizers: dict[str, ChatTokenizer] = {}
+        """In-process tokenizers (modes inline and thread)."""
+        self.lanes: dict[str, _Lane] = {}
+        if not self.specs:
+            return
+        mode = config.mode
+        n_large, n_small = config.workers, config.small_workers
+        if mode in ("inline", "thread"):
+            self.tokenizers = {
+                name: ChatTokenizer(path, bs, seed, config.cache_bytes) for name, path, bs, seed in self.specs
+            }
+        if mode == "thread":
+            self.lanes = {
+                "large": _Lane("large", [cf.ThreadPoolExecutor(n_large, thread_name_prefix="analysis")]),
+                "small": _Lane("small", [cf.ThreadPoolExecutor(n_small, thread_name_prefix="analysis-s")]),
+            }
+        elif mode == "process":
+            ctx = multiprocessing.get_context("spawn")
+            per = config.cache_bytes // (n_large + n_small)
+
+            def pool(nice: int) -> cf.Executor:
+                return cf.ProcessPoolExecutor(
+                    1, ctx, initializer=_init_worker, initargs=(self.specs, per, nice)
+                )
+
+            self.lanes = {
+                "large": _Lane("large", [pool(config.large_nice) for _ in range(n_large)]),
+                "small": _Lane("small", [pool(0) for _ in range(n_small)]),
+            }
+            for lane in self.lanes.values():
+                for p in lane.pools:
+                    p.submit(_ready)  # start the worker and load its tokenizers now
+
+    async def wait_ready(self) -> None:
+        """Wait until every worker process has started and loaded its tokenizers."""
+        loop = asyncio.get_running_loop()
+        futs = [
+            asyncio.wrap_future(p.submit(_ready), loop=loop)
+            for lane in self.lanes.values()
+            for p in lane.pools
+            if isinstance(p, cf.ProcessPoolExecutor)
+        ]
+        await asyncio.gather(*futs)
+
+    def _skip(self, reason: str) -> AnalysisSkipped:
+        key = reason.split(":", 1)[0]
+        self.skipped[key] = self.skipped.get(key, 0) + 1
+        if self.metrics is not None:
+            self.metrics.count_analysis_skipped(key)
+        return AnalysisSkipped(reason)
+
+    async def analyze(
+        self, model: str, kind: str, body: dict[str, Any], session_id: str | None = None
+    ) -> PromptInfo | None:
+        """Exact tokens and block hashes of a request; None when the model has no tokenizer.
+        Raises :class:`AnalysisSkipped` (route approximately) or :class:`ApiError` (a 400)."""
+        if model not in self.models:
+            return None
+        cfg = self.config
+        if cfg.mode == "inline":
+            try:
+                info = self.tokenizers[model].prompt_info(kind, body)
+            except Unsupported as exc:
+                raise self._skip(f"unsupported: {exc.reason}") from None
+        else:
+            info = await self._offload(model, kind, body)
+        if session_id is not None:
+            self._remember(session_id, info.tokens)
+        return info
+
+    async def _offload(self, model: str, kind: str, body: dict[str, Any]) -> PromptInfo:
+        cfg = self.config
+        start = time.monotonic()
+        lane = self.lanes["small" if prompt_chars(kind, body) < cfg.small_chars else "large"]
+        key = affinity_key(kind, body) if len(lane.pools) > 1 else b"\0"
+        i = lane.pick(key, cfg.max_backlog)
+        if i is None:
+            raise self._skip(f"backlog: {lane.name} lane full")
+        pool = lane.pools[i]
+        if isinstance(pool, cf.ProcessPoolExecutor):
+            cfut = pool.submit(_work, model, kind, body)
+        else:
+            cfut = pool.submit(_run, self.tokenizers[model], kind, body)
+        lane.backlog[i] += 1
+        loop = asyncio.get_running_loop()
+        cfut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._done, lane, i))
+        fut = asyncio.wrap_future(cfut)
+        left = cfg.budget_ms / 1000 - (time.monotonic() - start)
+        try:
+            out = await asyncio.wait_for(asyncio.shield(fut), max(left, 0.0))
+        except TimeoutError:
+            fut.add_done_callback(_consume)  # keeps warming the cache; nobody waits for it
+            raise self._skip("budget") from None
+        except cf.process.BrokenProcessPool:
+            lane.pools[i] = self._respawn(lane, pool)
+            raise self._skip("worker_died") from None
+        try:
+            return _outcome(out)
+        except AnalysisSkipped as exc:
+            raise self._skip(exc.reason) from None
+
+    def _done(self, lane: _Lane, i: int) -> None:
+        lane.backlog[i] -= 1
+
+    def _respawn(self, lane: _Lane, old: cf.Executor) -> cf.Executor:
+        old.shutdown(wait=False, cancel_futures=True)
+        ctx = multiprocessing.get_context("spawn")
+        n = self.config.workers + self.config.small_workers
+        nice = self.config.large_nice if lane.name == "large" else 0
+        return cf.ProcessPoolExecutor(
+            1, ctx, initializer=_init_worker, initargs=(self.specs, self.config.cache_bytes // n, nice)
+        )
+
+    # -- session tokens (for KV prefetch) -------------------------------------------------------
+    def _remember(self, session_id: str, tokens: Sequence[int]) -> None:
+        arr = tokens if isinstance(tokens, array) else array("i", tokens)
+        old = self._sessions.pop(session_id, None)
+        if old is not None:
+            self._session_bytes -= old.itemsize * len(old)
+        self._sessions[session_id] = arr
+        self._session_bytes += arr.itemsize * len(arr)
+        while self._session_bytes > self.config.session_tokens_bytes and self._sessions:
+            _, gone = self._sessions.popitem(last=False)
+            self._session_bytes -= gone.itemsize * len(gone)
+
+    def session_tokens(self, session_id: str) -> list[int] | None:
+        """The last prompt's token ids of a session (a copy), if kept."""
+        arr = self._sessions.get(session_id)
+        return arr.tolist() if arr is not None else None
+
+    def forget(self, session_id: str) -> None:
+        arr = self._sessions.pop(session_id, None)
+        if arr is not None:
+            self._session_bytes -= arr.itemsize * len(arr)
+
+    async def aclose(self) -> None:
+        pools = [p for lane in self.lanes.values() for p in lane.pools]
+        self.lanes = {}
+        for p in pools:
+            p.shutdown(wait=False, cancel_futures=True)
+        if pools:
+            await asyncio.to_thread(_join, pools)
+
+
+def _join(pools: list[cf.Executor]) -> None:
+    for p in pools:
+        p.shutdown(wait=True)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: no "exception was never retrieved" warning

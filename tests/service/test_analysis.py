@@ -1,0 +1,100 @@
+"""PromptAnalyzer: the same tokens and hashes as the tokenizer in every mode, 400s carried back from
+worker processes, a full backlog or a spent budget skips to the approximate index (counted), and
+session tokens bounded by bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import AnalysisConfig, ModelConfig
+from gateway.errors import ApiError
+from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.tokenize import ChatTokenizer
+
+SYSTEM = "You are a careful agent. " * 200
+
+
+def body(user: str, n: int = 1) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": SYSTEM * n}, {"role": "user", "content": user}]}
+
+
+def models(tiny_llama: Path) -> list[ModelConfig]:
+    return [ModelConfig(name="m", tokenizer=str(tiny_llama), block_size=128, hash_seed="0"), ModelConfig(name="plain")]
+
+
+@pytest.mark.parametrize("mode", ["inline", "thread", "process"])
+async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: str) -> None:
+    metrics = GatewayMetrics()
+    an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode=mode, small_chars=1000), metrics)
+    try:
+        await an.wait_ready()
+        ref = ChatTokenizer(tiny_llama, 128, "0")
+        for b in (body("small"), body("large " * 500)):
+            info = await an.analyze("m", "chat", b, session_id="s")
+            assert info is not None
+            want = ref.prompt_info("chat", b)
+            assert (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
+            assert an.session_tokens("s") == list(want.tokens)
+        # a turn extending the previous one is incremental inside the worker too
+        nxt = body("large " * 500)
+        nxt["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
+        info = await an.analyze("m", "chat", nxt)
+        assert info is not None and info.encoded_tokens < 20
+        assert await an.analyze("plain", "chat", body("x")) is None  # no tokenizer for this model
+        with pytest.raises(ApiError) as err:
+            await an.analyze("m", "chat", {**body("x"), "tools": [{"type": "function", "function": {}}]})
+        assert err.value.status == 400 and err.value.param == "tools[0].function.name"
+        with pytest.raises(AnalysisSkipped) as skip:
+            await an.analyze("m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
+        assert skip.value.reason.startswith("unsupported")
+        assert an.skipped == {"unsupported": 1}
+        assert b'agentgw_analysis_skipped_total{reason="unsupported"} 1.0' in metrics.render()
+    finally:
+        await an.aclose()
+
+
+async def test_a_full_backlog_and_a_spent_budget_skip_to_the_approximate_index(tiny_llama: Path) -> None:
+    cfg = AnalysisConfig(mode="process", max_backlog=1, budget_ms=10_000, small_chars=1000)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    try:
+        await an.wait_ready()
+        big = [body(f"q{i}", n=150) for i in range(4)]  # ~150K tokens each: the large lane
+        tasks = [asyncio.create_task(an.analyze("m", "chat", b)) for b in big]
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert any(d is not None and not isinstance(d, BaseException) for d in done)
+        backlog = [d for d in done if isinstance(d, AnalysisSkipped)]
+        assert backlog and all(d.reason.startswith("backlog") for d in backlog)
+        # the small lane is not blocked by the large one
+        assert await an.analyze("m", "chat", {"messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        await an.aclose()
+    an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="thread", budget_ms=1, small_chars=1000))
+    try:
+        with pytest.raises(AnalysisSkipped) as skip:
+            await an.analyze("m", "chat", body("x", n=100))
+        assert skip.value.reason == "budget" and an.skipped == {"budget": 1}
+        await asyncio.sleep(0)
+        # the skipped work went on and warmed the cache: the same prompt again is a cache hit
+        an2 = an.tokenizers["m"]
+        for _ in range(200):
+            if an2.cached_entries:
+                break
+            await asyncio.sleep(0.05)
+        assert an2.cached_entries == 1
+    finally:
+        await an.aclose()
+
+
+async def test_session_tokens_are_bounded_by_bytes(tiny_llama: Path) -> None:
+    an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="inline", session_tokens_bytes=40_000))
+    for i in range(10):
+        await an.analyze("m", "chat", body(f"user {i}", n=2), session_id=f"s{i}")
+    kept = [i for i in range(10) if an.session_tokens(f"s{i}") is not None]
+    assert kept and kept[-1] == 9 and kept[0] > 0
+    an.forget("s9")
+    assert an.session_tokens("s9") is None
