@@ -16,6 +16,11 @@ Pools: ``first_turn_workers=F`` makes the first F engines a ``first_turn`` pool 
 ``warm`` pool (the real router's ``pool_role`` filter splits on estimated uncached tokens against
 ``RoutingParams.first_turn_threshold_tokens``); 0 = one pool of role ``any``.
 
+Role controller (``roles``, :class:`gateway.core.roles.RoleParams`): every ``interval_s`` of
+virtual time the real :class:`gateway.core.roles.RoleController` reads each engine's prefill
+backlog, decoding sequences and KV usage and may flip one engine between ``first_turn`` and
+``warm`` (pool names ``first`` / ``warm``); the initial layout is ``first_turn_workers``.
+
 KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
 written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
 and their KV events (medium CPU / STORAGE) reach the prefix index.
@@ -39,6 +44,7 @@ from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
 from benchmarks.sim.tiers import Tiers, TiersConfig
 from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
 from gateway.core.prefix_index import PrefixIndex
+from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
 from gateway.core.sessions import SessionRecord, SessionTable
 from gateway.core.types import Decision, EngineView, Medium, PoolRole, RouteRequest, SessionView, Snapshot
@@ -67,6 +73,8 @@ class SimConfig:
     """The first N engines form a ``first_turn`` pool, the rest a ``warm`` pool (0: one pool)."""
     tiers: TiersConfig | None = None
     """Host tier + shared store under the device caches (None: recompute what is not on device)."""
+    roles: RoleParams | None = None
+    """Drive the role controller in virtual time (None: roles stay as laid out)."""
 
 
 @dataclass(slots=True)
@@ -121,7 +129,8 @@ class _Inflight:
     fan_out: int = 0
 
 
-_ARRIVE, _PASS, _PLAY, _WAKE = 0, 1, 2, 3
+_ARRIVE, _PASS, _PLAY, _WAKE, _TICK = 0, 1, 2, 3, 4
+_ROLE_POOL = {PoolRole.FIRST_TURN: "first", PoolRole.WARM: "warm"}
 
 
 class Simulator:
@@ -147,9 +156,15 @@ class Simulator:
         self._roles = [
             (("first", PoolRole.FIRST_TURN) if i < ft else ("warm", PoolRole.WARM))
             if ft > 0
-            else ("default", PoolRole.ANY)
+            else (("warm", PoolRole.WARM) if cfg.roles is not None else ("default", PoolRole.ANY))
             for i in range(cfg.workers)
         ]
+        self.controller = (
+            RoleController(cfg.roles, {n: r for n, (_, r) in zip(names, self._roles, strict=True)}, 0.0)
+            if cfg.roles is not None
+            else None
+        )
+        self.role_changes = 0
         self._wake_at: list[float | None] = [None] * cfg.workers
         self._ctrl_rid = 0
         self._by_name = {e.name: i for i, e in enumerate(self.engines)}
@@ -239,9 +254,22 @@ class Simulator:
                 kv_usage=e.kv_usage,
                 inflight=self._inflight_n[i],
                 capacity_blocks=e.cfg.num_blocks,
+                decoding=e.decoding,
+                prefill_backlog_tokens=e.prefill_backlog_tokens(),
             )
             for i, e in enumerate(self.engines)
         )
+
+    def _control_roles(self, now: float) -> None:
+        """A controller tick: measure, decide, apply; re-armed while other events are pending."""
+        ctl = self.controller
+        assert ctl is not None
+        loads = [EngineLoad(e.name, e.prefill_backlog_tokens(), e.decoding, e.kv_usage) for e in self.engines]
+        for ch in ctl.step(now, loads):
+            self._roles[self._by_name[ch.engine]] = (_ROLE_POOL[ch.role], ch.role)
+            self.role_changes += 1
+        if self._heap:
+            self._push(now + ctl.params.interval_s, _TICK, None)
 
     def _arrive(self, st: _PlayState, idx: int, now: float) -> None:
         play, r = st.play, st.play.requests[idx]
@@ -435,6 +463,8 @@ class Simulator:
                 self._start_play(queue.popleft(), 0.0, lane)
         heap = self._heap
         pop = heapq.heappop
+        if self.controller is not None:
+            self._push(self.controller.params.interval_s, _TICK, None)
         while heap:
             t, _, kind, payload = pop(heap)
             self.now = t
@@ -447,6 +477,8 @@ class Simulator:
                     self._pass_end(ei, t)
             elif kind == _WAKE:
                 self._wake(payload, t)  # type: ignore[arg-type]
+            elif kind == _TICK:
+                self._control_roles(t)
             elif queue:
                 self._start_play(queue.popleft(), t, payload)  # type: ignore[arg-type]
         return self.records
