@@ -19,7 +19,9 @@ by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, p
 subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
 real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
 ``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold instead
-of the work-conserving cost split (the split as first built); ``+planner`` runs the
+of the work-conserving cost split (the split as first built); ``+intf`` adds the ``interference``
+scorer (``--interference-weight``: new sessions land where their prefill costs least, counting
+the decoders it slows); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
 (:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
 (what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
@@ -116,6 +118,9 @@ def run_one(
     first_turn_threshold: int | None = None,
     tiers: TiersConfig | None = None,
     engine_flags: dict[str, int] | None = None,
+    interference_weight: float = 2.0,
+    weights: dict[str, float] | None = None,
+    routing_overrides: dict[str, float] | None = None,
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
     eng = ENGINES[engine]()
@@ -134,6 +139,12 @@ def run_one(
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
+    if "intf" in flags:
+        routing = replace(routing, weights={**routing.weights, "interference": interference_weight})
+    if weights:
+        routing = replace(routing, weights={**routing.weights, **weights})
+    if routing_overrides:
+        routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
     if first_turn_threshold is not None:
         routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
@@ -417,6 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--long-prefill-token-threshold", type=int, default=None, help="engine flag (vLLM's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine flag (vLLM's)")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--interference-weight", type=float, default=2.0, help="+intf policies")
+    ap.add_argument("--weights", default="", help="scorer weights of agentic, e.g. kv_usage=2,queue=1")
+    ap.add_argument("--routing", default="", help="RoutingParams numbers, e.g. sticky_max_queue=4")
     ap.add_argument("--slo-tok-s", type=float, default=None, help="default 50 (40 for the AIC H200)")
     ap.add_argument("--tiers", choices=("auto", "on", "off"), default="auto", help="host tier + store")
     ap.add_argument("--host-blocks", type=int, default=TiersConfig().host_blocks, help="host tier per engine")
@@ -459,6 +473,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "first_turn_threshold": args.first_turn_threshold,
         "tiers": tiers,
         "engine_flags": engine_flags,
+        "interference_weight": args.interference_weight,
+        "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
+        "routing_overrides": {
+            k: float(v) if "." in v else int(v)
+            for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+        },
     }
     lanes_open = args.trace == "mooncake"
     sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []

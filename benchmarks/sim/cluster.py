@@ -241,8 +241,27 @@ class Simulator:
     def views(self) -> tuple[EngineView, ...]:
         return self._views()
 
+    #: A session counts toward its home's load while it had activity this recently (virtual s).
+    HOME_LIVE_S = 30.0
+
+    def _homed_tokens(self) -> list[int]:
+        """Context tokens of the live sessions homed on each engine, from the session table
+        (ordered by last activity, so the scan stops at the first stale record)."""
+        out = [0] * len(self.engines)
+        if not self.cfg.hints:
+            return out
+        horizon = self.now - self.HOME_LIVE_S
+        by_name = self._by_name
+        for rec in reversed(self.sessions._records.values()):
+            if rec.last_activity < horizon and rec.inflight == 0:
+                break
+            if rec.home is not None and rec.home in by_name:
+                out[by_name[rec.home]] += rec.context_tokens
+        return out
+
     def _views(self) -> tuple[EngineView, ...]:
         roles = self._roles
+        homed = self._homed_tokens()
         return tuple(
             EngineView(
                 name=e.name,
@@ -256,6 +275,7 @@ class Simulator:
                 capacity_blocks=e.cfg.num_blocks,
                 decoding=e.decoding,
                 prefill_backlog_tokens=e.prefill_backlog_tokens(),
+                homed_tokens=homed[i],
             )
             for i, e in enumerate(self.engines)
         )

@@ -5,7 +5,8 @@ immutable and pure: the same request and snapshot always give the same decision.
 
 Profiles:
 - ``agentic`` (ours): healthy, model, pool_role, saturation -> prefix, session_affinity,
-  parent_prefix, spread, queue, kv_usage -> sticky_bounded. ``pool_role`` is the work-conserving
+  parent_prefix, spread, queue, kv_usage, interference and home_load (weight 0 unless set: they
+  need the views' decode, backlog and homed-session fields) -> sticky_bounded. ``pool_role`` is the work-conserving
   ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
   ``cost_*`` parameters) or the fixed threshold on estimated uncached tokens (``split="wall"``,
   the default until the service fills the engine views' decode and backlog fields:
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from gateway.core.policies.base import Picker, Profile, Weighted
 from gateway.core.policies.cost import EngineCost
 from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
+from gateway.core.policies.interference import InterferenceScorer
 from gateway.core.policies.pickers import (
     SCORE_REASON,
     CacheAware,
@@ -36,6 +38,7 @@ from gateway.core.policies.pickers import (
     StickyBounded,
 )
 from gateway.core.policies.scorers import (
+    HomeLoadScorer,
     KvUsageScorer,
     ParentPrefixScorer,
     PrefixScorer,
@@ -113,6 +116,8 @@ def _agentic(p: RoutingParams) -> Profile:
             Weighted(SpreadScorer(), _w(p, "spread", 1.0)),
             Weighted(QueueScorer(), _w(p, "queue", 1.0)),
             Weighted(KvUsageScorer(), _w(p, "kv_usage", 0.5)),
+            Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference", 0.0)),
+            Weighted(HomeLoadScorer(), _w(p, "home_load", 0.0)),
         ),
         StickyBounded(p.sticky_max_queue, p.prefill_s_per_token, p.queue_s_per_request),
     )

@@ -60,6 +60,9 @@ class EngineView:
     """Sequences past their prefill, producing tokens (0 when unknown)."""
     prefill_backlog_tokens: int = 0
     """Uncached prompt tokens admitted or queued and not yet computed (0 when unknown)."""
+    homed_tokens: int = 0
+    """Context tokens of the live sessions the gateway has homed on this engine: the KV their
+    next turns will hold while decoding (0 when unknown)."""
 
     @property
     def queue(self) -> int:

@@ -6,6 +6,7 @@ import pytest
 
 from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
 from gateway.core.policies.scorers import (
+    HomeLoadScorer,
     KvUsageScorer,
     ParentPrefixScorer,
     PrefixScorer,
@@ -90,6 +91,14 @@ SESSION = SessionView("s", home="w1", pool="warm", turns=3, context_tokens=4000,
         ),
         (ParentPrefixScorer(), [W0, W2], req(), {"session": SESSION}, [0.0, 0.0]),
         (SpreadScorer(), [W0, W1], req(), {"siblings": {"w0": 3}}, [0.25, 1.0]),
+        (
+            HomeLoadScorer(),
+            [eng("w0", homed_tokens=90_000), eng("w1", homed_tokens=10_000), eng("w2", homed_tokens=50_000)],
+            req(),
+            {},
+            [0.0, 1.0, 0.5],
+        ),
+        (HomeLoadScorer(), [W0, W1], req(), {}, [1.0, 1.0]),
     ],
 )
 def test_scorers(scorer, engines, request_, snap_kw, expected) -> None:  # type: ignore[no-untyped-def]

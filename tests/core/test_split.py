@@ -147,3 +147,27 @@ def test_a_moved_session_keeps_home_on_the_warm_side() -> None:
 def test_unknown_split_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown split"):
         Router(params("moat"))
+
+
+@pytest.mark.parametrize(
+    ("engines", "matches", "expected"),
+    [
+        # all free: alike
+        ([IDLE_WARM, eng("w2")], {}, [1.0, 1.0]),
+        # 0.091 s of prefill alone vs + 5 decode steps (0.1 s) + 8 x 0.091 s: (0.092 / 0.92)
+        ([IDLE_WARM, BUSY_WARM], {}, [1.0, 0.092 / 0.92]),
+        # the prefix on w0 leaves 128 tokens, but 11.28 ms + a 20 ms step + 8 x 11.28 ms there
+        # still costs more than 90.96 ms of recompute on the idle engine (the prefix scorer and
+        # the sticky picker weigh the cache; this scorer prices only time)
+        (
+            [IDLE_WARM, BUSY_WARM],
+            {"w0": PrefixMatch(31, 31, 31.0)},
+            [1.0, (0.09096 + 0.001) / (0.1215 + 0.001)],
+        ),
+    ],
+)
+def test_interference_scorer(engines, matches, expected) -> None:  # type: ignore[no-untyped-def]
+    from gateway.core.policies.interference import InterferenceScorer
+
+    snap = Snapshot(engines=tuple(engines), matches=matches)
+    assert list(InterferenceScorer(COST).score(FRESH, snap, engines)) == pytest.approx(expected, rel=1e-3)
