@@ -16,7 +16,12 @@ figures for Dynamo, and writes ``ttft_cdf.png``, ``tpgs_vs_concurrency.png`` and
 Policies: ``round_robin``, ``least_loaded``, ``session_hash``, ``cache_aware`` (SGLang router
 style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d style, index fed
 by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for
-subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+planner`` runs the
+subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
+real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
+``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold instead
+of the work-conserving cost split (the split as first built); ``+intf`` adds the ``interference``
+scorer (``--interference-weight``: new sessions land where their prefill costs least, counting
+the decoders it slows); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
 (:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
 (what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
@@ -24,6 +29,17 @@ host tier per engine and a shared store (:mod:`benchmarks.sim.tiers`) when a ``+
 is in the run, else none; ``--pools F+W`` splits the workers into a first-turn and a warm pool.
 With a ``+planner`` policy, a second table compares the *moved sessions' next turns* (the turns
 whose session a completed move re-homed) across the policies: TTFT and recomputed tokens.
+
+Engine flags (vLLM's): ``--long-prefill-token-threshold`` and ``--max-num-batched-tokens`` override
+the engine model's, for every policy; the cost split prices with the resulting chunk size.
+
+Capacity at the SLO: after the lanes sweep, a table gives each policy's largest swept lane
+count at which p90 TTFT <= ``--slo-ttft-ms`` (1,000) and P90 interactivity >= ``--slo-tok-s``
+(50; 40 under ``h200-qwen3-32b-fp8-aic``, whose 20.8 ms decode floor caps it at 48).
+
+Dynamo rows: measured ones with ``--with-dynamo``; otherwise the ANCHORS figures are printed only
+under the trace and engine model they were measured on (the default Weka dev folder, the mocker
+model), labelled as copied, never under another trace or engine.
 
 ``--with-dynamo`` also runs NVIDIA Dynamo 1.6.1's offline replay (:mod:`benchmarks.dynamo_replay`,
 in its own Python 3.10 environment) on the same Weka files, for the same configurations (and the
@@ -44,11 +60,13 @@ from typing import Any
 
 from benchmarks.sim.calibration import ENGINES
 from benchmarks.sim.cluster import RequestRecord, SimConfig, Simulator, simulate
+from benchmarks.sim.engine import EngineConfig
 from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request, percentile, summarize
 from benchmarks.sim.migrations import SimMigrations
 from benchmarks.sim.tiers import DEFAULT_KV_BYTES_PER_TOKEN, TiersConfig
 from benchmarks.sim.traces import Play, load_mooncake, load_weka, synth_agentx
 from gateway.core.planner import PlannerParams
+from gateway.core.roles import RoleParams
 from gateway.core.router import RoutingParams
 
 POLICIES = (
@@ -99,9 +117,15 @@ def run_one(
     first_turn_workers: int = 0,
     first_turn_threshold: int | None = None,
     tiers: TiersConfig | None = None,
+    engine_flags: dict[str, int] | None = None,
+    interference_weight: float = 2.0,
+    weights: dict[str, float] | None = None,
+    routing_overrides: dict[str, float] | None = None,
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
     eng = ENGINES[engine]()
+    if engine_flags:
+        eng = eng.with_(**engine_flags)
     planner = None
     if "recompute" in flags:
         tiers = None
@@ -114,9 +138,15 @@ def run_one(
         )
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
-    routing = None
+    routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
+    if "intf" in flags:
+        routing = replace(routing, weights={**routing.weights, "interference": interference_weight})
+    if weights:
+        routing = replace(routing, weights={**routing.weights, **weights})
+    if routing_overrides:
+        routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
     if first_turn_threshold is not None:
-        routing = RoutingParams(profile=profile, first_turn_threshold_tokens=first_turn_threshold)
+        routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
         workers=workers,
         engine=eng,
@@ -128,6 +158,7 @@ def run_one(
         routing=routing,
         first_turn_workers=first_turn_workers,
         tiers=tiers,
+        roles=RoleParams() if "ctl" in flags else None,
     )
     t0 = time.perf_counter()
     sim = simulate(plays, cfg, planner)
@@ -136,6 +167,26 @@ def run_one(
     LAST_SIMS[policy] = sim
     ttft = sorted((r.t_first - r.t_arrive) * 1000.0 for r in sim.records)
     return m, ttft
+
+
+def routing_for(eng: EngineConfig, profile: str, split: str, tiers: TiersConfig | None) -> RoutingParams:
+    """Router parameters whose cost model is the engine model's own (what a deployment fits from
+    measured step times): prefill polynomial, chunk = min(budget, long-prefill cap), decode
+    polynomial over KV use (the H200 models' batch and context terms are left out), KV bytes per
+    token and the store's bandwidth for moves."""
+    perf = eng.perf
+    cap = eng.long_prefill_token_threshold
+    chunk = min(eng.max_batched_tokens, cap) if cap > 0 else eng.max_batched_tokens
+    store_gbps = tiers.store_gbps if tiers is not None else TiersConfig().store_gbps
+    return RoutingParams(
+        profile=profile,
+        split=split,
+        cost_prefill_ms=(perf.p0, perf.p1, perf.p2),
+        cost_chunk_tokens=chunk,
+        cost_decode_ms=(perf.d0, perf.d1, perf.d2),
+        kv_bytes_per_token=eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN,
+        move_bytes_per_s=store_gbps * 1e9,
+    )
 
 
 def moved_report(
@@ -188,8 +239,14 @@ def moved_report(
 
 
 def format_table(
-    rows: Sequence[RunMetrics], config: str, dynamo_rows: Sequence[dict[str, Any]] | None = None
+    rows: Sequence[RunMetrics],
+    config: str,
+    dynamo_rows: Sequence[dict[str, Any]] | None = None,
+    anchors: bool = False,
 ) -> str:
+    """Our rows, then Dynamo's: measured in this run (``dynamo_rows``), or, with ``anchors`` (the
+    caller's check that trace and engine model are the ones ANCHORS measured), ANCHORS' figures
+    labelled as copied; else none."""
     head = (
         f"{'policy':<24} {'reuse':>7} {'ideal':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} "
         f"{'recompute Mtok':>14} {'P90 tok/s':>9} {'TPGS':>7} {'TPGS@SLO':>8} {'preempt':>7} "
@@ -212,18 +269,60 @@ def format_table(
                 f"{d['wall_s']:>6.1f}  (Dynamo 1.6.1 replay)"
             )
         return "\n".join(lines)
+    if not anchors:
+        return "\n".join(lines)
     for name, (reuse, p50, p90) in DYNAMO.get(config, {}).items():
         p50s = f"{p50:>9.0f}" if p50 is not None else f"{'-':>9}"
         label = name if name.startswith("Dynamo") else "Dynamo " + name
-        lines.append(f"{label:<16.16} {reuse:>7.1%} {'':>7} {p50s} {p90:>8.0f}   (ANCHORS)")
+        lines.append(
+            f"{label:<16.16} {reuse:>7.1%} {'':>7} {p50s} {p90:>8.0f}   "
+            "(copied from shared/ANCHORS.md, not run: Weka dev, mocker model)"
+        )
     return "\n".join(lines)
+
+
+def anchors_apply(trace: str, trace_path: str | None, engine: str, engine_flags: dict[str, int]) -> bool:
+    """Whether ANCHORS' Dynamo figures describe this run's trace and engine model."""
+    default_weka = trace_path is None or Path(trace_path).resolve() == shared_path("traces/weka").resolve()
+    return trace == "weka" and default_weka and engine == "dynamo-mocker" and not engine_flags
+
+
+def meets_slo(ttft_p90_ms: float, inter_p90: float, slo_ttft_ms: float, slo_tok_s: float) -> bool:
+    return ttft_p90_ms <= slo_ttft_ms and inter_p90 >= slo_tok_s
+
+
+def capacity_table(
+    sweep: dict[str, list[tuple[int, float, float, float]]],
+    slo_ttft_ms: float,
+    slo_tok_s: float,
+    baseline: str = "precise_prefix",
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """Per policy: the largest swept lane count meeting the SLO (and its TPGS), vs ``baseline``."""
+    out: dict[str, dict[str, float]] = {}
+    for policy, pts in sweep.items():
+        ok = [p for p in sorted(pts) if meets_slo(p[3], p[2], slo_ttft_ms, slo_tok_s)]
+        best = ok[-1] if ok else None
+        out[policy] = {"lanes": float(best[0]) if best else 0.0, "tpgs": best[1] if best else 0.0}
+    base = out.get(baseline, {}).get("lanes", 0.0)
+    head = f"{'policy':<28} {'lanes at SLO':>12} {'TPGS there':>10} {'vs ' + baseline:>20}"
+    lines = [head, "-" * len(head)]
+    for policy, row in out.items():
+        ratio = f"{row['lanes'] / base:.2f}x" if base else "-"
+        row["ratio"] = row["lanes"] / base if base else float("nan")
+        lines.append(f"{policy:<28} {row['lanes']:>12.0f} {row['tpgs']:>10.0f} {ratio:>20}")
+    lines.append(
+        f"SLO: p90 TTFT <= {slo_ttft_ms:.0f} ms and P90 interactivity >= {slo_tok_s:g} tok/s; "
+        "lanes = the largest swept lane count that meets it"
+    )
+    return "\n".join(lines), out
 
 
 def plot(
     out: Path,
     cdfs: dict[str, dict[str, list[float]]],
-    sweep: dict[str, list[tuple[int, float, float]]],
+    sweep: dict[str, list[tuple[int, float, float, float]]],
     sweep_title: str,
+    slo_tok_s: float = 50.0,
 ) -> list[Path]:
     import matplotlib
 
@@ -254,17 +353,34 @@ def plot(
         for policy, pts in sweep.items():
             pts = sorted(pts)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-            for lanes, tpgs, inter in pts:
-                if inter < 50:
+            for lanes, tpgs, inter, _ in pts:
+                if inter < slo_tok_s:
                     ax.plot([lanes], [tpgs], marker="x", color="red", markersize=9)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (agentic lanes)")
         ax.set_ylabel("total tokens per GPU-second")
-        ax.set_title(sweep_title + " (red x: P90 interactivity < 50 tok/s)")
+        ax.set_title(sweep_title + f" (red x: P90 interactivity < {slo_tok_s:g} tok/s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
         p = out / "tpgs_vs_concurrency.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in sweep.items():
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[3] for p in pts], marker="o", label=policy)
+        ax.axhline(1000.0, color="red", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency (agentic lanes)")
+        ax.set_ylabel("p90 TTFT (ms)")
+        ax.set_title(sweep_title + " (dashed: the 1 s SLO)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "ttft_p90_vs_lanes.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
@@ -296,7 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--engine", choices=sorted(ENGINES), default="dynamo-mocker")
     ap.add_argument("--configs", default=",".join(ANCHOR_CONFIGS), help="WORKERSxLANESxSPEEDUP,...")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--sweep-lanes", default="8,16,32,64", help="TPGS vs concurrency lanes ('' = off)")
+    ap.add_argument(
+        "--sweep-lanes", default="8,12,16,20,24,32,48,64", help="TPGS vs concurrency lanes ('' = off)"
+    )
     ap.add_argument("--sweep-config", default="8x0x10", help="workers and speed-up of the sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", default="benchmarks/out")
@@ -307,6 +425,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="estimated uncached tokens (router default 4096)",
     )
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None, help="engine flag (vLLM's)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine flag (vLLM's)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    ap.add_argument("--interference-weight", type=float, default=2.0, help="+intf policies")
+    ap.add_argument("--weights", default="", help="scorer weights of agentic, e.g. kv_usage=2,queue=1")
+    ap.add_argument("--routing", default="", help="RoutingParams numbers, e.g. sticky_max_queue=4")
+    ap.add_argument("--slo-tok-s", type=float, default=None, help="default 50 (40 for the AIC H200)")
     ap.add_argument("--tiers", choices=("auto", "on", "off"), default="auto", help="host tier + store")
     ap.add_argument("--host-blocks", type=int, default=TiersConfig().host_blocks, help="host tier per engine")
     ap.add_argument("--host-gbps", type=float, default=TiersConfig().host_gbps)
@@ -336,16 +461,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         else None
     )
     first_turn = int(args.pools.split("+")[0]) if args.pools else 0
+    engine_flags: dict[str, int] = {}
+    if args.long_prefill_token_threshold is not None:
+        engine_flags["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+    if args.max_num_batched_tokens is not None:
+        engine_flags["max_batched_tokens"] = args.max_num_batched_tokens
+    slo_tok_s = args.slo_tok_s or (40.0 if args.engine == "h200-qwen3-32b-fp8-aic" else 50.0)
+    anchors = anchors_apply(args.trace, args.trace_path, args.engine, engine_flags)
     extra = {
         "first_turn_workers": first_turn,
         "first_turn_threshold": args.first_turn_threshold,
         "tiers": tiers,
+        "engine_flags": engine_flags,
+        "interference_weight": args.interference_weight,
+        "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
+        "routing_overrides": {
+            k: float(v) if "." in v else int(v)
+            for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+        },
     }
     lanes_open = args.trace == "mooncake"
     sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
     sw, _, ssp = parse_config(args.sweep_config)
     dyn: dict[str, list[dict[str, Any]]] | None = None
-    dyn_sweep: list[tuple[int, float, float]] = []
+    dyn_sweep: list[tuple[int, float, float, float]] = []
     dyn_error = ""
     if args.with_dynamo:
         if args.trace != "weka":
@@ -371,11 +510,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for d in dyn.get(c, []):
                         if d["policy"] == "kv_router":
                             dyn_sweep.append(
-                                (parse_config(c)[1], float(d["tpgs"]), float(d["interactivity_p90"]))
+                                (
+                                    parse_config(c)[1],
+                                    float(d["tpgs"]),
+                                    float(d["interactivity_p90"]),
+                                    float(d["ttft_p90_ms"]),
+                                )
                             )
                 print(f"Dynamo replay: {len(rows_d)} runs in {time.perf_counter() - t0:.1f}s", flush=True)
         if dyn_error:
-            print(f"Dynamo replay not run: {dyn_error}; showing the ANCHORS figures", flush=True)
+            shown = "showing the ANCHORS figures (copied)" if anchors else "no Dynamo rows"
+            print(f"Dynamo replay not run: {dyn_error}; {shown}", flush=True)
     results: dict[str, dict[str, dict[str, object]]] = {}
     cdfs: dict[str, dict[str, list[float]]] = {}
     done: dict[tuple[str, int, int, float], RunMetrics] = {}
@@ -391,7 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(m)
             cdfs[config][policy] = ttft
         print(f"\n== {config}: {w} workers, {lanes} lanes, arrival speed-up {sp:g} ==")
-        print(format_table(rows, config, dyn.get(config, []) if dyn is not None else None), flush=True)
+        dyn_rows = dyn.get(config, []) if dyn is not None else None
+        print(format_table(rows, config, dyn_rows, anchors), flush=True)
         results[config] = {m.label: m.as_dict() for m in rows}
         report, moved = moved_report({p: LAST_SIMS[p] for p in policies if p in LAST_SIMS}, ideal)
         if report:
@@ -400,29 +546,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dyn is not None:
             results[config].update({str(d["label"]): d for d in dyn.get(config, [])})
 
-    sweep: dict[str, list[tuple[int, float, float]]] = {}
+    sweep: dict[str, list[tuple[int, float, float, float]]] = {}
+    capacity: dict[str, dict[str, float]] = {}
     if sweep_lanes and not lanes_open:
         for policy in policies:
             for lanes in sweep_lanes:
                 m = done.get((policy, sw, lanes, ssp))
                 if m is None:
                     m, _ = run_one(plays, ideal, policy, sw, lanes, ssp, args.engine, **extra)
-                sweep.setdefault(policy, []).append((lanes, m.tpgs, m.interactivity_p90))
+                sweep.setdefault(policy, []).append((lanes, m.tpgs, m.interactivity_p90, m.ttft_p90_ms))
         if dyn_sweep:
             sweep["Dynamo KV router"] = dyn_sweep
         print(f"\n== TPGS vs concurrency: {sw} workers, speed-up {ssp:g} ==")
-        print(f"{'policy':<16} " + " ".join(f"{'L=' + str(x):>14}" for x in sweep_lanes))
+        print(f"{'policy':<28} " + " ".join(f"{'L=' + str(x):>17}" for x in sweep_lanes))
         for policy, pts in sweep.items():
-            cells = " ".join(f"{t:>8.0f} ({i:>3.0f})" for _, t, i in sorted(pts))
-            print(f"{policy:<16} {cells}")
-        print("cells: TPGS (P90 interactivity tok/s); TPGS counts only when P90 interactivity >= 50")
+            cells = " ".join(
+                f"{t:>5.0f} {i:>4.0f} {f:>5.0f}{'*' if meets_slo(f, i, args.slo_ttft_ms, slo_tok_s) else ' '}"
+                for _, t, i, f in sorted(pts)
+            )
+            print(f"{policy:<28} {cells}")
+        print(
+            "cells: TPGS, P90 interactivity tok/s, p90 TTFT ms; * = meets the SLO "
+            f"(p90 TTFT <= {args.slo_ttft_ms:.0f} ms, P90 >= {slo_tok_s:g} tok/s)"
+        )
+        table, capacity = capacity_table(sweep, args.slo_ttft_ms, slo_tok_s)
+        print(f"\n== capacity at the SLO: {sw} workers, speed-up {ssp:g} ==\n{table}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
-        json.dumps({"engine": args.engine, "trace": args.trace, "runs": results, "sweep": sweep}, indent=1)
+        json.dumps(
+            {
+                "engine": args.engine,
+                "engine_flags": engine_flags,
+                "trace": args.trace,
+                "runs": results,
+                "sweep": sweep,
+                "capacity": capacity,
+            },
+            indent=1,
+        )
     )
-    written = plot(out, cdfs, sweep, f"{sw} workers, speed-up {ssp:g}")
+    written = plot(out, cdfs, sweep, f"{sw} workers, speed-up {ssp:g}", slo_tok_s)
     print(f"\nwrote {', '.join(str(p) for p in [out / 'results.json', *written])}")
     print(f"total wall time {time.perf_counter() - t_start:.1f}s")
     return 0

@@ -117,6 +117,20 @@ class RoutingConfig(_Strict):
     saturation_max_queue: int = Field(64, ge=0)
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
+    split: Literal["cost", "wall"] = "wall"
+    """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
+    sides with the engine cost model below (gateway/core/policies/split.py); ``wall`` is the fixed
+    ``first_turn_threshold_tokens``."""
+    cost_prefill_ms: tuple[float, float, float] = RoutingParams().cost_prefill_ms
+    """Pass time of T uncached tokens: p0 + p1*T + p2*T^2 ms (fit to the engines' step times)."""
+    cost_chunk_tokens: int = Field(RoutingParams().cost_chunk_tokens, gt=0)
+    """min(--max-num-batched-tokens, --long-prefill-token-threshold) of the engines."""
+    cost_decode_ms: tuple[float, float, float] = RoutingParams().cost_decode_ms
+    """Decode step at KV use u: max(1, d0 + d1*u + d2*u^2) ms."""
+    kv_bytes_per_token: int = Field(RoutingParams().kv_bytes_per_token, gt=0)
+    move_bytes_per_s: float = Field(RoutingParams().move_bytes_per_s, ge=0)
+    split_move_weight: float = Field(0.5, ge=0)
+    split_interference_weight: float = Field(1.0, ge=0)
     weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
     """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False

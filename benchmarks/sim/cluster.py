@@ -16,6 +16,11 @@ Pools: ``first_turn_workers=F`` makes the first F engines a ``first_turn`` pool 
 ``warm`` pool (the real router's ``pool_role`` filter splits on estimated uncached tokens against
 ``RoutingParams.first_turn_threshold_tokens``); 0 = one pool of role ``any``.
 
+Role controller (``roles``, :class:`gateway.core.roles.RoleParams`): every ``interval_s`` of
+virtual time the real :class:`gateway.core.roles.RoleController` reads each engine's prefill
+backlog, decoding sequences and KV usage and may flip one engine between ``first_turn`` and
+``warm`` (pool names ``first`` / ``warm``); the initial layout is ``first_turn_workers``.
+
 KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
 written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
 and their KV events (medium CPU / STORAGE) reach the prefix index.
@@ -41,6 +46,7 @@ from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
 from gateway.core import turn as pipeline
 from gateway.core.hints import AgentHints
 from gateway.core.prefix_index import PrefixIndex
+from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
 from gateway.core.sessions import SessionTable
 from gateway.core.turn import IndexKind, Siblings, Turn, index_for
@@ -73,6 +79,8 @@ class SimConfig:
     """Engines publish KV events to the precise index (None: for the profiles that read it, as
     a gateway would be configured for them); without, the approximate index learns from the
     routing decisions (``gateway.core.turn.index_for``)."""
+    roles: RoleParams | None = None
+    """Drive the role controller in virtual time (None: roles stay as laid out)."""
 
 
 @dataclass(slots=True)
@@ -127,7 +135,8 @@ class _Inflight:
     fan_out: int = 0
 
 
-_ARRIVE, _PASS, _PLAY, _WAKE = 0, 1, 2, 3
+_ARRIVE, _PASS, _PLAY, _WAKE, _TICK = 0, 1, 2, 3, 4
+_ROLE_POOL = {PoolRole.FIRST_TURN: "first", PoolRole.WARM: "warm"}
 
 
 class Simulator:
@@ -158,9 +167,15 @@ class Simulator:
         self._roles = [
             (("first", PoolRole.FIRST_TURN) if i < ft else ("warm", PoolRole.WARM))
             if ft > 0
-            else ("default", PoolRole.ANY)
+            else (("warm", PoolRole.WARM) if cfg.roles is not None else ("default", PoolRole.ANY))
             for i in range(cfg.workers)
         ]
+        self.controller = (
+            RoleController(cfg.roles, {n: r for n, (_, r) in zip(names, self._roles, strict=True)}, 0.0)
+            if cfg.roles is not None
+            else None
+        )
+        self.role_changes = 0
         self._wake_at: list[float | None] = [None] * cfg.workers
         self._ctrl_rid = 0
         self._by_name = {e.name: i for i, e in enumerate(self.engines)}
@@ -236,8 +251,27 @@ class Simulator:
     def views(self) -> tuple[EngineView, ...]:
         return self._views()
 
+    #: A session counts toward its home's load while it had activity this recently (virtual s).
+    HOME_LIVE_S = 30.0
+
+    def _homed_tokens(self) -> list[int]:
+        """Context tokens of the live sessions homed on each engine, from the session table
+        (ordered by last activity, so the scan stops at the first stale record)."""
+        out = [0] * len(self.engines)
+        if not self.cfg.hints:
+            return out
+        horizon = self.now - self.HOME_LIVE_S
+        by_name = self._by_name
+        for rec in reversed(self.sessions._records.values()):
+            if rec.last_activity < horizon and rec.inflight == 0:
+                break
+            if rec.home is not None and rec.home in by_name:
+                out[by_name[rec.home]] += rec.context_tokens
+        return out
+
     def _views(self) -> tuple[EngineView, ...]:
         roles = self._roles
+        homed = self._homed_tokens()
         return tuple(
             EngineView(
                 name=e.name,
@@ -249,9 +283,23 @@ class Simulator:
                 kv_usage=e.kv_usage,
                 inflight=self._inflight_n[i],
                 capacity_blocks=e.cfg.num_blocks,
+                decoding=e.decoding,
+                prefill_backlog_tokens=e.prefill_backlog_tokens(),
+                homed_tokens=homed[i],
             )
             for i, e in enumerate(self.engines)
         )
+
+    def _control_roles(self, now: float) -> None:
+        """A controller tick: measure, decide, apply; re-armed while other events are pending."""
+        ctl = self.controller
+        assert ctl is not None
+        loads = [EngineLoad(e.name, e.prefill_backlog_tokens(), e.decoding, e.kv_usage) for e in self.engines]
+        for ch in ctl.step(now, loads):
+            self._roles[self._by_name[ch.engine]] = (_ROLE_POOL[ch.role], ch.role)
+            self.role_changes += 1
+        if self._heap:
+            self._push(now + ctl.params.interval_s, _TICK, None)
 
     def _arrive(self, st: _PlayState, idx: int, now: float) -> None:
         """Route a request with the gateway's turn pipeline (:mod:`gateway.core.turn`), as
@@ -413,6 +461,8 @@ class Simulator:
                 self._start_play(queue.popleft(), 0.0, lane)
         heap = self._heap
         pop = heapq.heappop
+        if self.controller is not None:
+            self._push(self.controller.params.interval_s, _TICK, None)
         while heap:
             t, _, kind, payload = pop(heap)
             self.now = t
@@ -425,6 +475,8 @@ class Simulator:
                     self._pass_end(ei, t)
             elif kind == _WAKE:
                 self._wake(payload, t)  # type: ignore[arg-type]
+            elif kind == _TICK:
+                self._control_roles(t)
             elif queue:
                 self._start_play(queue.popleft(), t, payload)  # type: ignore[arg-type]
         return self.records

@@ -4,7 +4,9 @@ KV events, and a pass-time model. Virtual time only: the caller owns the clock.
 Scheduler (one pass): every decoding sequence takes one token of the ``max_batched_tokens``
 budget; then running prefills continue FCFS, each chunk capped by the budget and by
 ``long_prefill_token_threshold`` (0 = no cap); then waiting requests are admitted FCFS while the
-budget, ``max_seqs`` and free blocks allow. A new request's cached prefix is the longest prefix of
+budget, ``max_seqs`` and free blocks allow. As in vLLM 0.32's scheduler
+(``--long-prefill-token-threshold``), the cap is lifted while the engine holds a single request
+(there is nobody to starve). A new request's cached prefix is the longest prefix of
 its block chain resident on this engine, capped so that at least its last token is computed (a
 fully cached prompt recomputes its last block); a partial last block has no hash and is never
 reused. When a decoding sequence needs a block and none is free, the most recently admitted
@@ -198,6 +200,21 @@ class Engine:
     @property
     def cached_free_blocks(self) -> int:
         return len(self.stamp) - len(self.pinned)
+
+    @property
+    def decoding(self) -> int:
+        """Running sequences past their prefill."""
+        return sum(1 for s in self.running if s.computed >= s.prompt)
+
+    def prefill_backlog_tokens(self) -> int:
+        """Prompt tokens still to compute: running prefills' rest, and waiting requests' prompt
+        beyond their resident prefix (what the gateway knows as the decisions' uncached tokens)."""
+        n = sum(s.prompt - s.computed for s in self.running if s.computed < s.prompt)
+        bs = self.bs
+        for s in self.waiting:
+            done = s.computed if (s.computed or s.pinned) else self.hit_blocks(s.hashes) * bs
+            n += max(0, s.prompt - done)
+        return n
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.loading)
@@ -407,6 +424,8 @@ class Engine:
                 self.waiting.extendleft(reversed(ready))
         budget = cfg.max_batched_tokens
         cap = cfg.long_prefill_token_threshold or budget
+        if len(self.running) + len(self.waiting) <= 1:
+            cap = budget
         decode = [s for s in self.running if s.computed >= s.prompt]
         budget -= len(decode)
         prefill: list[Seq] = []

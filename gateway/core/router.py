@@ -4,8 +4,13 @@ Profiles are built by name from :class:`RoutingParams` (see ``PROFILES``). The r
 immutable and pure: the same request and snapshot always give the same decision.
 
 Profiles:
-- ``agentic`` (ours): healthy, model, pool_role(uncached tokens), saturation -> prefix,
-  session_affinity, parent_prefix, spread, queue, kv_usage -> sticky_bounded.
+- ``agentic`` (ours): healthy, model, pool_role, saturation -> prefix, session_affinity,
+  parent_prefix, spread, queue, kv_usage, interference and home_load (weight 0 unless set: they
+  need the views' decode, backlog and homed-session fields) -> sticky_bounded. ``pool_role`` is the work-conserving
+  ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
+  ``cost_*`` parameters) or the fixed threshold on estimated uncached tokens (``split="wall"``,
+  the default until the service fills the engine views' decode and backlog fields:
+  ``first_turn_threshold_tokens``).
 - ``precise_prefix`` (llm-d style): healthy, model -> prefix (precise, from KV events) x2,
   queue, kv_usage -> max_score.
 - ``cache_aware`` (SGLang router style): healthy, model -> (approximate text prefix index) ->
@@ -21,7 +26,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.policies.base import Picker, Profile, Weighted
+from gateway.core.policies.cost import EngineCost
 from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
+from gateway.core.policies.interference import InterferenceScorer
 from gateway.core.policies.pickers import (
     SCORE_REASON,
     CacheAware,
@@ -31,6 +38,7 @@ from gateway.core.policies.pickers import (
     StickyBounded,
 )
 from gateway.core.policies.scorers import (
+    HomeLoadScorer,
     KvUsageScorer,
     ParentPrefixScorer,
     PrefixScorer,
@@ -38,6 +46,7 @@ from gateway.core.policies.scorers import (
     SessionAffinityScorer,
     SpreadScorer,
 )
+from gateway.core.policies.split import CostSplit
 from gateway.core.types import Candidate, Decision, EngineView, RouteRequest, Snapshot
 
 
@@ -49,6 +58,18 @@ class RoutingParams:
     saturation_max_queue: int = 64
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
+    split: str = "wall"
+    """``cost``: work-conserving first-turn / warm split (policies/split.py); ``wall``: the
+    fixed ``first_turn_threshold_tokens`` filter. ``cost`` needs engine views that carry
+    ``decoding`` and ``prefill_backlog_tokens`` (the simulator's do); without them every engine
+    looks idle and warm engines take every first turn."""
+    cost_prefill_ms: tuple[float, float, float] = EngineCost().prefill_ms
+    cost_chunk_tokens: int = EngineCost().chunk_tokens
+    cost_decode_ms: tuple[float, float, float] = EngineCost().decode_ms
+    kv_bytes_per_token: int = EngineCost().kv_bytes_per_token
+    move_bytes_per_s: float = EngineCost().move_bytes_per_s
+    split_move_weight: float = 0.5
+    split_interference_weight: float = 1.0
     weights: dict[str, float] = field(
         default_factory=lambda: {
             "prefix": 3.0,
@@ -65,15 +86,29 @@ def _w(p: RoutingParams, name: str, default: float) -> float:
     return p.weights.get(name, default)
 
 
+def engine_cost(p: RoutingParams) -> EngineCost:
+    """The cost model the ``cost_split`` filter prices with."""
+    return EngineCost(
+        prefill_ms=p.cost_prefill_ms,
+        chunk_tokens=p.cost_chunk_tokens,
+        decode_ms=p.cost_decode_ms,
+        kv_bytes_per_token=p.kv_bytes_per_token,
+        move_bytes_per_s=p.move_bytes_per_s,
+    )
+
+
+def _pool_role(p: RoutingParams) -> CostSplit | PoolByUncached:
+    if p.split == "cost":
+        return CostSplit(engine_cost(p), p.split_move_weight, p.split_interference_weight)
+    if p.split == "wall":
+        return PoolByUncached(p.first_turn_threshold_tokens)
+    raise ValueError(f"unknown split {p.split!r}; choose 'cost' or 'wall'")
+
+
 def _agentic(p: RoutingParams) -> Profile:
     return Profile(
         "agentic",
-        (
-            Healthy(),
-            ServesModel(),
-            PoolByUncached(p.first_turn_threshold_tokens),
-            Saturation(p.saturation_max_queue),
-        ),
+        (Healthy(), ServesModel(), _pool_role(p), Saturation(p.saturation_max_queue)),
         (
             Weighted(PrefixScorer(), _w(p, "prefix", 3.0)),
             Weighted(SessionAffinityScorer(), _w(p, "session_affinity", 2.0)),
@@ -81,6 +116,8 @@ def _agentic(p: RoutingParams) -> Profile:
             Weighted(SpreadScorer(), _w(p, "spread", 1.0)),
             Weighted(QueueScorer(), _w(p, "queue", 1.0)),
             Weighted(KvUsageScorer(), _w(p, "kv_usage", 0.5)),
+            Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference", 0.0)),
+            Weighted(HomeLoadScorer(), _w(p, "home_load", 0.0)),
         ),
         StickyBounded(p.sticky_max_queue, p.prefill_s_per_token, p.queue_s_per_request),
     )

@@ -56,6 +56,13 @@ class EngineView:
     """Requests the gateway has sent to this engine and not yet finished."""
     capacity_blocks: int = 0
     """Device KV capacity in blocks, when known (0: unknown)."""
+    decoding: int = 0
+    """Sequences past their prefill, producing tokens (0 when unknown)."""
+    prefill_backlog_tokens: int = 0
+    """Uncached prompt tokens admitted or queued and not yet computed (0 when unknown)."""
+    homed_tokens: int = 0
+    """Context tokens of the live sessions the gateway has homed on this engine: the KV their
+    next turns will hold while decoding (0 when unknown)."""
 
     @property
     def queue(self) -> int:

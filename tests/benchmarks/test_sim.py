@@ -247,3 +247,121 @@ def test_planner_runs_are_deterministic_and_engines_load_from_tiers():
     assert a == b
     assert a[0]["kv_bytes_moved"] > 0 and a[0]["migrations"] > 0
     assert a[0]["requests"] == sum(len(p.requests) for p in plays)  # nothing stalls
+
+
+def _chunks(cfg, prompts):
+    """Run ``prompts`` (fresh, no shared prefix) on one engine; the prefill chunk of every pass."""
+    eng = Engine("e", cfg)
+    for i, n in enumerate(prompts):
+        eng.add(Seq(i, n, 2, list(range(10_000 * (i + 1), 10_000 * (i + 1) + n // 64)), 0.0))
+    t, chunks = 0.0, []
+    while eng.has_work():
+        t = eng.start_pass(t) or t
+        chunks.append(eng.prefill_tokens)
+        eng.finish_pass(t)
+    return [b - a for a, b in zip([0, *chunks], chunks, strict=False) if b > a]
+
+
+@pytest.mark.parametrize(
+    ("threshold", "batched", "prompts", "expected"),
+    [
+        (0, 8192, [3000], [3000]),
+        (0, 1024, [3000], [1024, 1024, 952]),
+        # alone on the engine, vLLM lifts the long-prefill cap (nobody to starve)
+        (512, 8192, [3000], [3000]),
+        # two requests: each chunk capped at 512 in the same pass; once the short one is done the
+        # long one is alone and takes the rest at once
+        (512, 8192, [3000, 1000], [1024, 1000, 512, 1464]),
+        # and the budget: the second request gets what the first leaves (256), a decode takes 1
+        (512, 768, [3000, 1000], [768, 768, 768, 744, 512, 440]),
+    ],
+)
+def test_engine_applies_vllm_long_prefill_threshold_and_batched_token_budget(
+    threshold, batched, prompts, expected
+):
+    cfg = DYNAMO_MOCKER.with_(long_prefill_token_threshold=threshold, max_batched_tokens=batched)
+    assert _chunks(cfg, prompts) == expected
+
+
+def test_engine_reports_decoders_and_prefill_backlog():
+    eng = Engine("e", DYNAMO_MOCKER.with_(max_batched_tokens=1024))
+    eng.add(Seq(1, 3000, 4, list(range(100, 146)), 0.0))
+    eng.add(Seq(2, 500, 4, list(range(200, 207)), 0.0))
+    assert (eng.decoding, eng.prefill_backlog_tokens()) == (0, 3500)
+    t = eng.start_pass(0.0)
+    eng.finish_pass(t)
+    assert (eng.decoding, eng.prefill_backlog_tokens()) == (0, 3500 - 1024)
+    while eng.decoding == 0:
+        t = eng.start_pass(t)
+        eng.finish_pass(t)
+    assert eng.prefill_backlog_tokens() <= 500
+
+
+def test_simulator_drives_the_role_controller_in_virtual_time():
+    from gateway.core.roles import RoleParams
+    from gateway.core.types import PoolRole
+
+    plays = _small(6)
+    roles = RoleParams(backlog_tokens_per_engine=8192, min_dwell_s=2.0, interval_s=0.5)
+    cfg = SimConfig(workers=4, lanes=6, speedup=5.0, profile="agentic", hints=True, roles=roles)
+    sim = simulate(plays, cfg)
+    assert sim.controller is not None and sim.role_changes > 0
+    assert len(sim.records) == sum(len(p.requests) for p in plays)
+    first = {e.name for e in sim.views() if e.role == PoolRole.FIRST_TURN}
+    assert first == {n for n, r in sim.controller.roles.items() if r == PoolRole.FIRST_TURN}
+    again = simulate(plays, cfg)
+    assert (again.role_changes, [r.engine for r in again.records]) == (
+        sim.role_changes,
+        [r.engine for r in sim.records],
+    )
+
+
+def test_cost_split_lets_idle_warm_engines_take_first_turns_the_wall_does_not():
+    from gateway.core.router import RoutingParams
+
+    plays = _small(4)
+
+    def first_turn_engines(split):
+        cfg = SimConfig(
+            workers=4,
+            lanes=4,
+            speedup=5.0,
+            profile="agentic",
+            hints=True,
+            first_turn_workers=1,
+            routing=RoutingParams(profile="agentic", split=split, first_turn_threshold_tokens=4096),
+        )
+        sim = simulate(plays, cfg)
+        return {r.engine for r in sim.records if r.idx == 0 and r.stream == "root"}
+
+    assert first_turn_engines("wall") == {"w0"}
+    assert first_turn_engines("cost") - {"w0"}
+
+
+def test_compare_prints_copied_dynamo_figures_only_under_their_trace_and_engine():
+    from benchmarks import compare
+    from benchmarks.sim.metrics import RunMetrics
+
+    row = RunMetrics("p", 1, 1.0, 2.0, 3.0, 0.9, 0.95, 0, 60.0, 100.0, 100.0, 1.0, 0, 0, 0)
+    copied = compare.format_table([row], "8x16x1", None, anchors=True)
+    assert "Dynamo KV router" in copied and "copied from shared/ANCHORS.md, not run" in copied
+    assert "Dynamo" not in compare.format_table([row], "8x16x1", None, anchors=False)
+    weka = str(compare.shared_path("traces/weka"))
+    assert compare.anchors_apply("weka", None, "dynamo-mocker", {})
+    assert compare.anchors_apply("weka", weka, "dynamo-mocker", {})
+    assert not compare.anchors_apply("synth", None, "dynamo-mocker", {})
+    assert not compare.anchors_apply("weka", None, "h200-qwen3-32b-fp8-aic", {})
+    assert not compare.anchors_apply("weka", "/elsewhere", "dynamo-mocker", {})
+    assert not compare.anchors_apply("weka", None, "dynamo-mocker", {"long_prefill_token_threshold": 512})
+
+
+def test_capacity_at_the_slo_is_the_largest_lane_count_meeting_both_bounds():
+    from benchmarks import compare
+
+    sweep = {
+        "precise_prefix": [(8, 1.0, 60.0, 300.0), (16, 2.0, 49.0, 300.0), (24, 3.0, 55.0, 2000.0)],
+        "ours": [(8, 1.0, 60.0, 300.0), (16, 2.5, 52.0, 900.0), (24, 3.0, 40.0, 900.0)],
+    }
+    _, cap = compare.capacity_table(sweep, 1000.0, 50.0)
+    assert (cap["precise_prefix"]["lanes"], cap["ours"]["lanes"], cap["ours"]["tpgs"]) == (8, 16, 2.5)
+    assert cap["ours"]["ratio"] == 2.0

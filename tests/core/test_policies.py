@@ -6,6 +6,7 @@ import pytest
 
 from gateway.core.policies.filters import Healthy, PoolByUncached, Saturation, ServesModel
 from gateway.core.policies.scorers import (
+    HomeLoadScorer,
     KvUsageScorer,
     ParentPrefixScorer,
     PrefixScorer,
@@ -90,6 +91,14 @@ SESSION = SessionView("s", home="w1", pool="warm", turns=3, context_tokens=4000,
         ),
         (ParentPrefixScorer(), [W0, W2], req(), {"session": SESSION}, [0.0, 0.0]),
         (SpreadScorer(), [W0, W1], req(), {"siblings": {"w0": 3}}, [0.25, 1.0]),
+        (
+            HomeLoadScorer(),
+            [eng("w0", homed_tokens=90_000), eng("w1", homed_tokens=10_000), eng("w2", homed_tokens=50_000)],
+            req(),
+            {},
+            [0.0, 1.0, 0.5],
+        ),
+        (HomeLoadScorer(), [W0, W1], req(), {}, [1.0, 1.0]),
     ],
 )
 def test_scorers(scorer, engines, request_, snap_kw, expected) -> None:  # type: ignore[no-untyped-def]
@@ -97,8 +106,10 @@ def test_scorers(scorer, engines, request_, snap_kw, expected) -> None:  # type:
     assert list(scorer.score(request_, snap, engines)) == pytest.approx(expected)
 
 
-def route(profile: str, engines: list[EngineView], r: RouteRequest, **snap_kw: object) -> tuple[str, str]:
-    d = Router(RoutingParams(profile=profile, first_turn_threshold_tokens=2048)).route(
+def route(
+    profile: str, engines: list[EngineView], r: RouteRequest, split: str = "cost", **snap_kw: object
+) -> tuple[str, str]:
+    d = Router(RoutingParams(profile=profile, first_turn_threshold_tokens=2048, split=split)).route(
         r,
         Snapshot(engines=tuple(engines), **snap_kw),  # type: ignore[arg-type]
     )
@@ -139,7 +150,13 @@ def test_agentic_leaves_overloaded_home_only_when_cheaper() -> None:
 
 
 def test_agentic_first_turn_goes_to_first_turn_pool() -> None:
-    assert route("agentic", [F0, W0, W1], req(8000, session_id="new")) == ("f0", "new_session")
+    # the fixed split sends every long fresh prompt to the first-turn pool; the cost split lets
+    # idle warm engines take it and sends it to first-turn when warm engines are decoding
+    # (tests/core/test_split.py)
+    assert route("agentic", [F0, W0, W1], req(8000, session_id="new"), split="wall") == ("f0", "new_session")
+    assert route("agentic", [F0, W0, W1], req(8000, session_id="new")) == ("w1", "new_session")
+    busy = [F0, eng("w0", decoding=16), eng("w1", decoding=16)]
+    assert route("agentic", busy, req(8000, session_id="new")) == ("f0", "new_session")
 
 
 def test_agentic_warm_turn_of_new_session_with_cached_prefix_goes_warm() -> None:

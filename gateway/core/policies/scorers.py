@@ -10,6 +10,10 @@
 - ``parent_prefix``: for a subagent, the parent's prefix match fraction on the engine (the
   parent's context is what a subagent's prompt starts with); 1.0 on the parent's home when no
   match is known.
+- ``home_load``: ``(h_max - h_e) / (h_max - h_min)`` over candidates (1.0 when all equal), with
+  ``h_e`` the context tokens of live sessions homed on the engine: new sessions and subagents
+  land where the least decode KV is expected to come back (sticky sessions keep their home
+  through the picker), so decoding sequences' KV, which sets the decode step, stays balanced.
 - ``spread``: ``1 / (1 + s_e)`` with ``s_e`` the in-flight siblings (same parent) on the engine:
   a fan-out spreads instead of piling onto one engine.
 """
@@ -91,3 +95,15 @@ class SpreadScorer:
 
     def score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> Sequence[float]:
         return [1.0 / (1.0 + snap.siblings.get(e.name, 0)) for e in engines]
+
+
+@dataclass(frozen=True, slots=True)
+class HomeLoadScorer:
+    name: str = "home_load"
+
+    def score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> Sequence[float]:
+        hs = [e.homed_tokens for e in engines]
+        lo, hi = min(hs, default=0), max(hs, default=0)
+        if hi == lo:
+            return [1.0] * len(engines)
+        return [(hi - h) / (hi - lo) for h in hs]
