@@ -142,12 +142,14 @@ def gather_blocks(
     _check_ids(block_ids, "block_ids")
     num_ids = block_ids.numel()
     rows = staging_rows(out, num_ids, block_nbytes(kv_caches, block_dim))
+    if num_ids == 0:
+        return out
     offset = 0
     for cache in kv_caches:
         nbytes = layer_block_nbytes(cache, block_dim)
         ids = block_ids.to(cache.device, torch.int64)
         fast = _byte_rows(cache, block_dim) if cache.device == rows.device else None
-        if fast is not None and num_ids and nbytes:
+        if fast is not None and nbytes:
             src_off, src_stride = fast
             dst_off = rows.storage_offset() + offset
             word, dtype = _word(src_off, src_stride, dst_off, rows.stride(0), nbytes)
@@ -169,12 +171,14 @@ def scatter_blocks(
     _check_ids(block_ids, "block_ids")
     num_ids = block_ids.numel()
     rows = staging_rows(src, num_ids, block_nbytes(kv_caches, block_dim))
+    if num_ids == 0:
+        return
     offset = 0
     for cache in kv_caches:
         nbytes = layer_block_nbytes(cache, block_dim)
         ids = block_ids.to(cache.device, torch.int64)
         fast = _byte_rows(cache, block_dim) if cache.device == rows.device else None
-        if fast is not None and num_ids and nbytes:
+        if fast is not None and nbytes:
             dst_off, dst_stride = fast
             src_off = rows.storage_offset() + offset
             word, dtype = _word(src_off, rows.stride(0), dst_off, dst_stride, nbytes)
