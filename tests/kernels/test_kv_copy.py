@@ -286,7 +286,7 @@ def _nan_heavy(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     flat = raw.reshape(-1)
     patterns = [0x7FF0000000000001, 0x7FF8000000000000, 0x8000000000000000, 0xFFF0000000000001]
     planted = torch.tensor([b for p in patterns for b in p.to_bytes(8, "little")], dtype=torch.uint8)
-    for start in range(0, flat.numel() - planted.numel() + 1, 200):  # 200: every 8-byte alignment
+    for start in range(0, flat.numel() - planted.numel() + 1, 201):  # 201: every alignment mod 8
         flat[start : start + planted.numel()] = planted
     return raw
 
