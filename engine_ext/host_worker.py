@@ -1,20 +1,33 @@
-"""Worker side: copies KV blocks between the engine's KV cache and the host tier.
+"""Worker side: copies KV blocks between the engine's KV cache and the host tier, through `kernels`.
 
 vLLM's `CPUOffloadingWorker` drives CUDA streams and `swap_blocks_batch`, neither of which
 exists on vLLM's CPU platform. This worker implements the same `OffloadingWorker` contract with
-plain tensor indexing: on the CPU platform "device" and "host" are both host memory, so a copy
-is a gather/scatter of whole pages. It runs synchronously inside `submit_*` (the framework
-submits stores at the start of the next step, before the model writes again), so a store
-never reads a block after the scheduler could have reused it (store rule c).
+`kernels.copy_blocks`, the one block mover of this project:
 
-Layout (direct, one worker): device tensor t is `(num_blocks, page)` int8; the host view of
-tensor t is `(num_chunks, page * blocks_per_chunk)` int8 with a row stride set by the shared
-region. Sub-block j of chunk c holds device-block-sized page j.
+- CPU platform: "device" and "host" are both host memory, so the dispatcher takes the torch
+  reference (`kernels.reference`: one `index_select(out=)` or `index_copy_` per group and
+  sub-block column, a memcpy per block inside ATen, no Python loop over blocks). Copies run
+  synchronously inside `submit_*` (the framework submits stores at the start of the next step,
+  before the model writes again), so a store never reads a block after the scheduler could have
+  reused it (store rule c).
+- CUDA (opt-in, `"host_worker": "kernels"` in the connector's extra config; vLLM's own worker is
+  the default there): the host region is page-locked (vLLM's `pin_mmap_region`) and the
+  dispatcher takes the Triton kernels (`kernels.kv_copy`), launched on this worker's own stream;
+  `get_finished` reports a job once its CUDA event has completed, `wait` synchronises. Stores
+  wait for the compute stream first, loads are waited for by the model runner through `wait`.
+  This path is checked for parity under Triton's interpreter only (no vLLM CUDA engine here).
+
+Layout (direct, one worker): device tensor t is `(num_blocks, page)` int8 (block stride may
+exceed the page when layers share one hybrid buffer); the host view of tensor t is
+`(num_chunks, blocks_per_chunk, page)` int8 with a chunk stride set by the shared region.
+Sub-block j of chunk c holds device-block-sized page j. A group may use only a prefix of a
+tensor's page (`CanonicalKVCacheRef.page_size_bytes`): just that prefix is copied.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +42,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
+import kernels
+
 __all__ = ["HostCopyWorker"]
 
 
@@ -38,30 +53,51 @@ def _chunk_sub_blocks(chunk_ids: np.ndarray, blocks_per_chunk: int, skip: int, c
     return flat[skip : skip + count]
 
 
+@dataclass(frozen=True)
+class _GroupLayers:
+    """One group's copies: per tensor, the device pages and each host sub-block column."""
+
+    device: list[torch.Tensor]  # (num_blocks, nbytes) views
+    host_columns: list[list[torch.Tensor]]  # [column j][tensor] -> (num_chunks, nbytes) views
+    nbytes: int  # bytes one block of this group moves over all its tensors
+
+
 class HostCopyWorker(OffloadingWorker):
-    """Synchronous device<->host page copies for the CPU platform."""
+    """Device<->host page copies through `kernels.copy_blocks` (CPU platform; CUDA opt-in)."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, mmap_region: SharedOffloadRegion):
         self._region = mmap_region
         self._blocks_per_chunk = blocks_per_chunk
-        self._device: list[torch.Tensor] = []
-        self._host_sub: list[torch.Tensor] = []
+        device_tensors = [canonical.tensor for canonical in kv_caches.tensors]
+        self._cuda = any(t.is_cuda for t in device_tensors)
+        host_sub: list[torch.Tensor] = []
         for canonical in kv_caches.tensors:
             page = canonical.page_size_bytes
-            device = canonical.tensor  # (num_blocks, page) int8, strided
             host = mmap_region.create_next_worker_view(page * blocks_per_chunk)
-            row_stride = host.stride(0)
-            # (num_chunks * blocks_per_chunk, page) view when rows are contiguous per sub-block.
-            host_sub = host.as_strided(
-                (host.shape[0], blocks_per_chunk, page), (row_stride, page, 1), host.storage_offset()
+            host_sub.append(
+                host.as_strided(
+                    (host.shape[0], blocks_per_chunk, page), (host.stride(0), page, 1), host.storage_offset()
+                )
             )
-            self._device.append(device)
-            self._host_sub.append(host_sub)
+        if self._cuda:
+            from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+
+            pin_mmap_region(mmap_region)
         # Per group: unique (tensor_idx, bytes) pairs; aliased layers share one copy.
-        self._group_copies: list[list[tuple[int, int]]] = [
-            sorted({(ref.tensor_idx, ref.page_size_bytes) for ref in refs})
-            for refs in kv_caches.group_data_refs
-        ]
+        self._groups: list[_GroupLayers] = []
+        for refs in kv_caches.group_data_refs:
+            copies = sorted({(ref.tensor_idx, ref.page_size_bytes) for ref in refs})
+            self._groups.append(
+                _GroupLayers(
+                    device=[device_tensors[t][:, :n] for t, n in copies],
+                    host_columns=[
+                        [host_sub[t][:, j, :n] for t, n in copies] for j in range(blocks_per_chunk)
+                    ],
+                    nbytes=sum(n for _, n in copies),
+                )
+            )
+        self._stream = torch.cuda.Stream() if self._cuda else None
+        self._pending: list[tuple[TransferResult, torch.cuda.Event]] = []
         self._finished: list[TransferResult] = []
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
@@ -76,27 +112,16 @@ class HostCopyWorker(OffloadingWorker):
         assert isinstance(device_spec, GPULoadStoreSpec)
         assert isinstance(host_spec, BlockIDsLoadStoreSpec)
         start = time.perf_counter()
-        device_ids = device_spec.block_ids
-        chunk_ids = host_spec.block_ids
-        bpc = self._blocks_per_chunk
-        dev_off = 0
-        host_off = 0
-        num_bytes = 0
-        for g_idx, (size, block_idx) in enumerate(
-            zip(device_spec.group_sizes, device_spec.block_indices, strict=True)
-        ):
-            if size == 0:
-                continue
-            skip = block_idx % bpc
-            num_chunks = cdiv(size + skip, bpc)
-            dev = device_ids[dev_off : dev_off + size].astype(np.int64)
-            sub = _chunk_sub_blocks(chunk_ids[host_off : host_off + num_chunks], bpc, skip, size)
-            rows, cols = sub // bpc, sub % bpc
-            for t_idx, nbytes in self._group_copies[g_idx]:
-                self._copy(self._device[t_idx], self._host_sub[t_idx], dev, rows, cols, nbytes, to_host)
-                num_bytes += size * nbytes
-            dev_off += size
-            host_off += num_chunks
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                num_bytes = self._copy_groups(device_spec, host_spec, to_host)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            result = TransferResult(job_id=job_id, success=True, transfer_size=num_bytes)
+            self._pending.append((result, event))
+            return True
+        num_bytes = self._copy_groups(device_spec, host_spec, to_host)
         self._finished.append(
             TransferResult(
                 job_id=job_id,
@@ -107,48 +132,58 @@ class HostCopyWorker(OffloadingWorker):
         )
         return True
 
-    @staticmethod
-    def _copy(
-        device: torch.Tensor,
-        host_sub: torch.Tensor,
-        dev: np.ndarray,
-        rows: np.ndarray,
-        cols: np.ndarray,
-        nbytes: int,
-        to_host: bool,
-    ) -> None:
-        """Copy page prefixes of `nbytes`, one slice copy per run of consecutive blocks.
-
-        Per-slice `copy_` runs at memcpy speed; advanced indexing (index_put / index_select)
-        is 5-10x slower on CPU for 64 KiB rows. Runs need consecutive device ids and
-        consecutive host rows in the same sub-block column (always true for 1 block/chunk).
-        """
-        breaks = np.flatnonzero((np.diff(dev) != 1) | (np.diff(rows) != 1) | (np.diff(cols) != 0)) + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), len(dev)]
-        dev_l, rows_l, cols_l = dev.tolist(), rows.tolist(), cols.tolist()
-        full = nbytes == device.shape[1]
-        for start, end in zip(starts, ends, strict=True):
-            d0, r0, c = dev_l[start], rows_l[start], cols_l[start]
-            n = end - start
-            if n == 1 and full:
-                dst_host, src_dev = host_sub[r0][c], device[d0]
-            else:
-                dst_host = host_sub[r0 : r0 + n, c, :nbytes]
-                src_dev = device[d0 : d0 + n, :nbytes]
-            if to_host:
-                dst_host.copy_(src_dev)
-            else:
-                src_dev.copy_(dst_host)
+    def _copy_groups(
+        self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec, to_host: bool
+    ) -> int:
+        """One `kernels.copy_blocks` per group and host sub-block column; returns the bytes moved."""
+        device_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
+        chunk_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
+        bpc = self._blocks_per_chunk
+        dev_off = host_off = num_bytes = 0
+        for group, size, block_idx in zip(
+            self._groups, device_spec.group_sizes, device_spec.block_indices, strict=True
+        ):
+            if size == 0:
+                continue
+            skip = block_idx % bpc
+            num_chunks = cdiv(size + skip, bpc)
+            dev = device_ids[dev_off : dev_off + size]
+            sub = _chunk_sub_blocks(chunk_ids[host_off : host_off + num_chunks], bpc, skip, size)
+            rows, cols = sub // bpc, sub % bpc
+            for column in range(bpc) if bpc > 1 else (0,):
+                picked = cols == column if bpc > 1 else slice(None)
+                dev_ids = torch.from_numpy(np.ascontiguousarray(dev[picked]))
+                host_rows = torch.from_numpy(np.ascontiguousarray(rows[picked]))
+                if dev_ids.numel() == 0:
+                    continue
+                host = group.host_columns[column]
+                if to_host:
+                    kernels.copy_blocks(group.device, host, dev_ids, host_rows)
+                else:
+                    kernels.copy_blocks(host, group.device, host_rows, dev_ids)
+            num_bytes += size * group.nbytes
+            dev_off += size
+            host_off += num_chunks
+        return num_bytes
 
     def get_finished(self) -> list[TransferResult]:
+        still = []
+        for result, event in self._pending:
+            if event.query():
+                self._finished.append(result)
+            else:
+                still.append((result, event))
+        self._pending = still
         finished, self._finished = self._finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
-        return  # transfers complete inside submit_*
+        for result, event in self._pending:
+            if result.job_id in job_ids:
+                event.synchronize()
 
     def shutdown(self) -> None:
-        self._device.clear()
-        self._host_sub.clear()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._groups.clear()
         self._region.cleanup()

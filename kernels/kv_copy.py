@@ -2,7 +2,8 @@
 
 Same operations, layouts and staging format as ``kernels.reference``: ``gather_blocks`` (blocks of
 every layer -> contiguous staging rows), ``scatter_blocks`` (the inverse) and ``copy_blocks``
-(between two caches of the same geometry, e.g. a GPU cache and a pinned CPU cache).
+(between two caches of the same block geometry, e.g. a GPU cache and a pinned CPU cache; their
+numbers of blocks may differ).
 
 How it works. On the host, each layer's block is described by its contiguous *runs*: the block is
 ``cache.select(block_dim, b)``; the innermost dimensions whose strides chain up to 1 form one run,
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from kernels.reference import block_nbytes, layer_block_nbytes, staging_rows
+from kernels.reference import block_nbytes, check_same_geometry, layer_block_nbytes, staging_rows
 
 __all__ = ["INTERPRETED", "copy_blocks", "gather_blocks", "scatter_blocks"]
 
@@ -277,10 +278,7 @@ def copy_blocks(
     if len(src_caches) != len(dst_caches):
         raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
     for src, dst in zip(src_caches, dst_caches, strict=True):
-        if src.shape != dst.shape or src.dtype != dst.dtype:
-            raise ValueError(
-                f"layer geometry differs: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}"
-            )
+        check_same_geometry(src, dst, block_dim)
     device = _launch_device([*src_caches, *dst_caches])
     sids = _prepare_ids(src_ids, _common_num_blocks(src_caches, block_dim), "src_ids", device)
     dids = _prepare_ids(dst_ids, _common_num_blocks(dst_caches, block_dim), "dst_ids", device)

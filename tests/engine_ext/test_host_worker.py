@@ -63,3 +63,125 @@ def test_store_then_load_restores_exact_bytes(blocks_per_chunk: int) -> None:
         assert not device[0][untouched].any()
     finally:
         worker.shutdown()
+
+
+# ----- parity over the layouts the engines produce, torch reference and Triton's interpreter -----
+# (tensor pages, block stride, group refs) as `CanonicalKVCaches` describes them on the CPU platform:
+# - tiny Llama: 2 layers, one (num_blocks, 32 KiB) tensor each ([N, 2 heads, 128, 2*32] bf16), 1 group;
+# - Gemma3 with the hybrid manager: 3 sliding + 1 full layer in 4 groups of one layer, all four
+#   sharing one buffer (one tensor, 4 groups referencing it);
+# - Qwen3-Next with the hybrid manager: one shared buffer whose page is the (padded) Mamba state;
+#   the attention group uses only a prefix of it;
+# - a block stride larger than the page (layers interleaved inside a packed block).
+ENGINE_LAYOUTS: dict[str, tuple[list[int], int | None, list[list[tuple[int, int]]]]] = {
+    "tiny-llama": ([32768, 32768], None, [[(0, 32768), (1, 32768)]]),
+    "gemma3-hybrid": ([32768], None, [[(0, 32768)]] * 4),
+    "qwen3-next-hybrid": ([69632], None, [[(0, 69632)], [(0, 32768)]]),
+    "packed-stride": ([8192], 3 * 8192, [[(0, 8192)], [(0, 4096)]]),
+}
+NUM_DEVICE_BLOCKS = 24
+NUM_CHUNKS = 32
+
+
+def _layout_worker(
+    name: str, blocks_per_chunk: int, num_chunks: int = NUM_CHUNKS
+) -> tuple[HostCopyWorker, list[torch.Tensor], SharedOffloadRegion]:
+    pages, stride, groups = ENGINE_LAYOUTS[name]
+    gen = torch.Generator().manual_seed(len(name) * 10 + blocks_per_chunk)
+    device = []
+    for page in pages:
+        row = stride or page
+        buf = torch.randint(-128, 128, (NUM_DEVICE_BLOCKS, row), dtype=torch.int8, generator=gen)
+        device.append(buf[:, :page])
+    caches = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, page) for t, page in zip(device, pages, strict=True)],
+        [[CanonicalKVCacheRef(t, n) for t, n in refs] for refs in groups],
+    )
+    chunk_bytes = sum(pages) * blocks_per_chunk
+    region = SharedOffloadRegion(
+        f"test-hwp-{os.getpid()}-{name}-{blocks_per_chunk}", num_chunks, 0, chunk_bytes, chunk_bytes
+    )
+    return HostCopyWorker(caches, blocks_per_chunk, region), device, region
+
+
+def _spec(name: str, blocks_per_chunk: int, seed: int) -> tuple[GPULoadStoreSpec, CPULoadStoreSpec]:
+    """Random scattered device blocks per group, from a random logical offset, to random chunks."""
+    rng = np.random.default_rng(seed)
+    num_groups = len(ENGINE_LAYOUTS[name][2])
+    sizes = [int(rng.integers(1, 5)) for _ in range(num_groups)]
+    offsets = [int(rng.integers(0, 3)) for _ in range(num_groups)]
+    dev_ids = rng.permutation(NUM_DEVICE_BLOCKS)[: sum(sizes)].tolist()
+    num_chunks = sum(
+        -(-(s + o % blocks_per_chunk) // blocks_per_chunk) for s, o in zip(sizes, offsets, strict=True)
+    )
+    chunks = rng.permutation(NUM_CHUNKS)[:num_chunks].tolist()
+    return GPULoadStoreSpec(dev_ids, sizes, offsets), CPULoadStoreSpec(chunks)
+
+
+def _naive_copy(
+    worker: HostCopyWorker, dev_spec: GPULoadStoreSpec, host_spec: CPULoadStoreSpec, to_host: bool
+) -> None:
+    """Ground truth: one page-prefix copy per block, straight from the layout's definition."""
+    bpc = worker._blocks_per_chunk
+    dev_off = host_off = 0
+    for group, size, idx in zip(worker._groups, dev_spec.group_sizes, dev_spec.block_indices, strict=True):
+        skip = idx % bpc
+        for k in range(size):
+            chunk, column = divmod(skip + k, bpc)
+            d = int(dev_spec.block_ids[dev_off + k])
+            c = int(host_spec.block_ids[host_off + chunk])
+            for dev, host in zip(group.device, group.host_columns[column], strict=True):
+                if to_host:
+                    host[c].copy_(dev[d])
+                else:
+                    dev[d].copy_(host[c])
+        dev_off += size
+        host_off += -(-(size + skip) // bpc)
+
+
+@pytest.fixture(params=["torch", "triton-interpreter"])
+def kernel_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "torch":
+        monkeypatch.setenv("AGENTGW_KERNELS", "torch")
+    else:
+        import triton  # noqa: F401  (imported before TRITON_INTERPRET is set)
+
+        from tests.kernels.conftest import _import_interpreted_kv_copy
+
+        _import_interpreted_kv_copy()
+        monkeypatch.setenv("AGENTGW_KERNELS", "triton")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
+def test_store_and_load_match_a_per_block_copy_for_every_engine_layout(
+    layout: str, blocks_per_chunk: int, kernel_backend: str
+) -> None:
+    worker, device, region = _layout_worker(layout, blocks_per_chunk)
+    try:
+        host = region._base
+        assert host is not None
+        for seed in range(3):
+            dev_spec, host_spec = _spec(layout, blocks_per_chunk, seed)
+            host.zero_()
+            _naive_copy(worker, dev_spec, host_spec, to_host=True)
+            expected_host = host.clone()
+            host.zero_()
+            assert worker.submit_store(1, dev_spec, host_spec)
+            assert torch.equal(host, expected_host), (layout, seed, kernel_backend)
+
+            host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
+            saved = [t.clone() for t in device]
+            _naive_copy(worker, dev_spec, host_spec, to_host=False)
+            expected_device = [t.clone() for t in device]
+            for t, s in zip(device, saved, strict=True):
+                t.copy_(s)
+            assert worker.submit_load(2, host_spec, dev_spec)
+            for t, e in zip(device, expected_device, strict=True):
+                assert torch.equal(t, e), (layout, seed, kernel_backend)
+        results = worker.get_finished()
+        assert [r.success for r in results] == [True] * 6
+    finally:
+        del host  # the region's mapping closes only once no tensor exports it
+        worker.shutdown()

@@ -270,3 +270,78 @@ def test_benchmark_script_runs_on_cpu() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "GB/s" in result.stdout
+
+
+# ----- the torch reference's fast paths against a per-block ``select`` loop -----------------------
+
+
+def _loop_gather(caches: list[torch.Tensor], ids: torch.Tensor, block_dim: int) -> torch.Tensor:
+    rows = [torch.cat([_bytes(c.select(block_dim, int(i))) for c in caches]) for i in ids]
+    return torch.stack(rows) if rows else torch.empty(0, reference.block_nbytes(caches, block_dim))
+
+
+def _nan_heavy(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Random bytes with signalling/quiet NaN and -0.0 patterns planted for 16/8-byte words."""
+    raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    flat = raw.reshape(-1)
+    patterns = [0x7FF0000000000001, 0x7FF8000000000000, 0x8000000000000000, 0xFFF0000000000001]
+    planted = torch.tensor([b for p in patterns for b in p.to_bytes(8, "little")], dtype=torch.uint8)
+    for start in range(0, flat.numel() - planted.numel() + 1, 201):  # 201: every alignment mod 8
+        flat[start : start + planted.numel()] = planted
+    return raw
+
+
+def _strided_cpu_layer(gen: torch.Generator, num_blocks: int = NUM_BLOCKS) -> torch.Tensor:
+    """A CPU-layout layer whose block stride exceeds its block (a view into a hybrid buffer)."""
+    block = HEADS * BLOCK_SIZE * 2 * HEAD_DIM
+    buffer = _nan_heavy((num_blocks, 3 * block * 2), gen).view(torch.bfloat16)
+    return buffer[:, block : 2 * block].view(num_blocks, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+
+
+@pytest.mark.parametrize("num_ids", [0, 1, 5, NUM_BLOCKS])
+def test_reference_gather_and_scatter_equal_a_per_block_loop(num_ids: int) -> None:
+    gen = torch.Generator().manual_seed(20 + num_ids)
+    caches = [_strided_cpu_layer(gen) for _ in range(NUM_LAYERS)]
+    caches.append(_nan_heavy((NUM_BLOCKS, 2, 3, 5), gen))  # odd sizes: byte words
+    ids = _ids(num_ids, gen)
+    out = reference.gather_blocks(caches, ids, _staging(caches, num_ids, 0))
+    assert torch.equal(out, _loop_gather(caches, ids, 0).to(torch.uint8))
+    src = _nan_heavy((num_ids, reference.block_nbytes(caches, 0)), gen)
+    expected = [c.clone() for c in caches]
+    for row, block in zip(src, ids.tolist(), strict=True):
+        offset = 0
+        for c in expected:
+            n = reference.layer_block_nbytes(c, 0)
+            c[block].view(-1).view(torch.uint8).copy_(row[offset : offset + n])
+            offset += n
+    reference.scatter_blocks(src, caches, ids)
+    assert _same(caches, expected)
+
+
+@pytest.mark.parametrize("ids_kind", ["dst_range", "src_range", "dst_runs", "fragmented"])
+def test_reference_copy_paths_equal_a_per_block_loop(ids_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every path of the CPU copy (one range, sorted runs, bounce buffer) between caches of
+    different block counts, with a bounce buffer small enough to take several steps."""
+    monkeypatch.setattr(reference, "BOUNCE_BYTES", 3 * HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2)
+    gen = torch.Generator().manual_seed(30)
+    src = [_strided_cpu_layer(gen, 40) for _ in range(2)]
+    dst = [_strided_cpu_layer(gen, 33) for _ in range(2)]
+    n = 16
+    src_ids = torch.randperm(40, generator=gen)[:n]
+    dst_ids = torch.randperm(33, generator=gen)[:n]
+    if ids_kind == "dst_range":
+        dst_ids = torch.arange(7, 7 + n)
+    elif ids_kind == "src_range":
+        src_ids = torch.arange(3, 3 + n)
+    elif ids_kind == "dst_runs":  # 4 runs of 4 consecutive destination blocks, shuffled
+        dst_ids = torch.cat([torch.arange(s, s + 4) for s in (0, 9, 18, 27)])[
+            torch.randperm(n, generator=gen)
+        ]
+    expected = [d.clone() for d in dst]
+    for s_id, d_id in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        for s, e in zip(src, expected, strict=True):
+            e[d_id].copy_(s[s_id])
+    reference.copy_blocks(src, dst, src_ids, dst_ids)
+    assert _same(dst, expected)
+    with pytest.raises(ValueError, match="geometry differs"):
+        reference.copy_blocks(src, [d[:, :1] for d in dst], src_ids, dst_ids)
