@@ -8,6 +8,9 @@ Hints (from `kv_transfer_params["agentgw"]`, set by the gateway):
     session_id: str      the session the request belongs to
     pin_ttl_s: float     keep the session's chunks this long after the turn (0 = release)
     release: bool        the session ended; drop its pin now
+
+The same hint drives the host-tier pins (engine_ext.pinned_policy) and, with the pinning
+scheduler, the device pins (engine_ext.device_pins); there, `pin_ttl_s == 0` releases the pin.
 """
 
 from __future__ import annotations

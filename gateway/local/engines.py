@@ -117,7 +117,23 @@ def engine_command(spec: EngineSpec) -> list[str]:
         cmd += ["--kv-events-config", json.dumps(kv_events)]
     if spec.num_gpu_blocks_override is not None:
         cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
-    return cmd + list(spec.extra_args)
+    cmd += list(spec.extra_args)
+    if "--scheduler-cls" not in cmd and _loads_engine_ext(cmd):
+        cmd += ["--scheduler-cls", ENGINE_EXT_SCHEDULER]  # device soft pins (docs/engine_ext.md)
+    return cmd
+
+
+ENGINE_EXT_SCHEDULER = "engine_ext.scheduler.PinningScheduler"
+
+
+def _loads_engine_ext(cmd: list[str]) -> bool:
+    """Whether the command's `--kv-transfer-config` loads engine_ext's offload spec."""
+    try:
+        kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    except (ValueError, IndexError, json.JSONDecodeError):
+        return False
+    extra = kv.get("kv_connector_extra_config") if isinstance(kv, dict) else None
+    return isinstance(extra, dict) and str(extra.get("spec_module_path", "")).startswith("engine_ext.")
 
 
 def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
