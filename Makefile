@@ -1,4 +1,4 @@
-.PHONY: install run test lint bench
+.PHONY: install bench-setup run test lint bench
 
 install:
 	./scripts/setup.sh
@@ -14,7 +14,10 @@ lint:
 	.venv/bin/ruff format --check gateway engine_ext kernels benchmarks tests
 	.venv/bin/mypy
 
-bench:
+bench-setup:
+	./scripts/bench-setup.sh
+
+bench: install bench-setup
 	.venv/bin/python -m benchmarks.overhead
 	.venv/bin/python -m benchmarks.routing_cost
 	.venv/bin/python -m benchmarks.compare

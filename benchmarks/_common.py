@@ -19,6 +19,7 @@ from pathlib import Path
 __all__ = [
     "ManagedProcess",
     "cpu_seconds",
+    "default_weka_traces",
     "free_port",
     "peak_rss_kib",
     "percentile",
@@ -29,6 +30,16 @@ __all__ = [
 ]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def default_weka_traces() -> Path:
+    """The Weka trace folder: ``shared/traces/weka`` in the checkout or beside it (all 48 sessions),
+    else the 3 sessions vendored for the tests (``tests/data/traces/weka``)."""
+    for base in (_REPO / "shared", _REPO.parent / "shared"):
+        if (base / "traces" / "weka").is_dir():
+            return base / "traces" / "weka"
+    return _REPO / "tests" / "data" / "traces" / "weka"
 
 
 def free_port() -> int:

@@ -90,11 +90,9 @@ def default_python() -> str:
 
 
 def default_traces() -> Path:
-    repo = _repo()
-    for base in (repo / "shared", repo.parent / "shared"):
-        if (base / "traces/weka").exists():
-            return base / "traces/weka"
-    return repo / "shared/traces/weka"
+    from benchmarks._common import default_weka_traces  # not at the top: the worker runs as a script
+
+    return default_weka_traces()
 
 
 def _models_named(obj: object, out: list[str]) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks._common import default_weka_traces
 from benchmarks.sim.metrics import ideal_hits_by_request, percentile
 from benchmarks.sim.scale import scale_plays, to_weka
 from benchmarks.sim.traces import DISPATCH, Play, TraceRequest, load_weka
@@ -614,11 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_trace() -> Path:
-    repo = Path(__file__).resolve().parents[1]
-    for base in (repo / "shared", repo.parent / "shared"):
-        if (base / "traces/weka").exists():
-            return base / "traces/weka"
-    return repo / "shared/traces/weka"
+    return default_weka_traces()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ Modes (same sessions, same engines per phase):
 - ``migrate``: split + engine_ext + the gateway's planner: the KV is prefetched onto the warm
   engine during the tool gap.
 
-Sessions: two consecutive top-level turns (``--turn``) of Weka sessions (``../shared/traces/weka``), token counts
+Sessions: two consecutive top-level turns (``--turn``) of Weka sessions (``../shared/traces/weka``, else the 3 in ``tests/data/traces/weka``), token counts
 scaled to fit the tiny model (``--max-tokens``), gaps kept but capped (``--max-gap``).
 
     python -m benchmarks.migration [--sessions 6] [--max-tokens 6000] [--max-gap 4]
@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -31,12 +32,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks._common import default_weka_traces
 from engine_ext.config import kv_transfer_config
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "weka"
+TRACES = default_weka_traces()
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "router", "session", "cache", "block", "prefix"]
 TOKEN = "bench-token"
 
@@ -176,7 +178,7 @@ def serve(cfg: dict) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_ports(1)[0]
     d = Path(tempfile.mkdtemp())
     (d / "gw.yaml").write_text(yaml.safe_dump({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
-    p = subprocess.Popen(["python", "-m", "gateway", "serve", "--config", str(d / "gw.yaml")])
+    p = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(d / "gw.yaml")])
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:

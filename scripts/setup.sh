@@ -38,3 +38,25 @@ fi
 import torch, vllm  # noqa: F401
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
 PY
+
+# The real coding-agent clients the harness tests run (gateway/local/harness.py pins the same
+# versions), from npm into the git-ignored .agentgw/npm; Node from Debian's packages if missing.
+CLAUDE_CODE_VERSION=2.1.328
+CODEX_VERSION=0.169.0
+NPM_PREFIX=${AGENTGW_NPM_PREFIX:-.agentgw/npm}
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  echo "setup: installing nodejs npm (apt)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq nodejs npm >/dev/null
+fi
+npm_version() {  # the installed version of package $1 in $NPM_PREFIX, or nothing
+  node -e 'try { console.log(require(process.argv[1]).version) } catch (e) {}' \
+    "$(realpath -m "$NPM_PREFIX/node_modules/$1/package.json")"
+}
+if [ "$(npm_version @anthropic-ai/claude-code)" != "$CLAUDE_CODE_VERSION" ] ||
+   [ "$(npm_version @openai/codex)" != "$CODEX_VERSION" ]; then
+  echo "setup: installing Claude Code $CLAUDE_CODE_VERSION and Codex $CODEX_VERSION (npm, into $NPM_PREFIX)"
+  mkdir -p "$NPM_PREFIX"
+  npm install --prefix "$NPM_PREFIX" --no-save --no-audit --no-fund --loglevel=error \
+    "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
+fi

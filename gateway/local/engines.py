@@ -7,6 +7,12 @@ Every engine runs with prefix caching, the `sha256_cbor` block hash and a fixed
 `PYTHONHASHSEED` (`HASH_SEED`), so the gateway can recompute vLLM's block hashes; with
 `kv_events_port` set it publishes KV cache events over ZMQ on that port (topic `KV_EVENTS_TOPIC`).
 
+Tool calling is on (`--enable-auto-tool-choice` with `tool_call_parser`, default `hermes`: the
+`<tool_call>` JSON format of the tiny models' template), since every coding-agent harness sends
+`tools` and vLLM answers 400 to `tool_choice: "auto"` without it; and the Responses API keeps
+stored responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`), so `previous_response_id` and
+`GET /v1/responses/{id}` work.
+
 Each engine is the leader of its own process group (`start_new_session=True`): `stop()` sends
 SIGTERM to the group, then SIGKILL after a grace period, so vLLM's EngineCore and worker
 processes go too. Ports are not reserved between `free_port()` and the engine's bind; callers
@@ -34,6 +40,7 @@ from pathlib import Path
 from types import TracebackType
 
 __all__ = [
+    "DEFAULT_TOOL_CALL_PARSER",
     "HASH_SEED",
     "KV_EVENTS_TOPIC",
     "EngineError",
@@ -46,6 +53,7 @@ __all__ = [
     "start_engines",
 ]
 
+DEFAULT_TOOL_CALL_PARSER = "hermes"  # matches gateway/local/templates/chatml.jinja's <tool_call> JSON
 HASH_SEED = "0"  # PYTHONHASHSEED of every engine: the seed of vLLM's block-hash chain
 KV_EVENTS_TOPIC = "kv-events"
 HOST = "127.0.0.1"
@@ -72,6 +80,8 @@ class EngineSpec:
     kv_events_port: int | None = None
     kv_cache_gib: int = 1
     num_gpu_blocks_override: int | None = None
+    tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER
+    """vLLM's parser for the model's tool-call output; None starts the engine without tool calling."""
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -117,6 +127,8 @@ def engine_command(spec: EngineSpec) -> list[str]:
         cmd += ["--kv-events-config", json.dumps(kv_events)]
     if spec.num_gpu_blocks_override is not None:
         cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
+    if spec.tool_call_parser is not None:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     cmd += list(spec.extra_args)
     if "--scheduler-cls" not in cmd and _loads_engine_ext(cmd):
         cmd += ["--scheduler-cls", ENGINE_EXT_SCHEDULER]  # device soft pins (docs/engine_ext.md)
@@ -156,6 +168,8 @@ def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            # vLLM keeps /v1/responses results (for previous_response_id) only with this set
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         }
     )
     env.update(spec.extra_env)

@@ -8,6 +8,12 @@ KV from Mooncake / its host tier through vLLM's own connector path), ``stay`` an
 prefetch is done, so the next turn never waits on a migration: until then it goes where the
 prefix is. A new placement or the session's end cancels what is pending. Concurrent prefetches
 are capped per target engine.
+
+``current`` holds each live session's latest migration: the running one, else the last finished
+one (the session API shows it; the next turn reads how a completed move served). A finished one
+leaves when its session is gone (ended or expired: so the release after a session's end does not
+stay), when the next turn or a new plan replaces it, or when more than ``MAX_FINISHED`` finished
+ones are kept (oldest first). ``recent`` keeps the last ``MAX_RECENT`` finished ones.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from gateway.service.session_store import SessionStore
 log = logging.getLogger("agentgw.migrations")
 
 MAX_RECENT = 1024
+MAX_FINISHED = 4096  # finished migrations kept in `current` for their live sessions
 
 
 @dataclass(slots=True)
@@ -75,6 +82,7 @@ class MigrationExecutor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sems: dict[str, asyncio.Semaphore] = {}
         self.current: dict[str, Migration] = {}
+        self._finished: dict[str, None] = {}  # sessions whose `current` entry has finished, oldest first
         self.recent: deque[Migration] = deque(maxlen=MAX_RECENT)
 
     def controllable(self, engine: str) -> bool:
@@ -90,17 +98,24 @@ class MigrationExecutor:
             return None
         if action.kind in (ActionKind.MOVE, ActionKind.REPLICATE) and not token_ids:
             return None
+        sid = action.session_id
         m = Migration(action, self.clock())
-        self.current[action.session_id] = m
+        self.current[sid] = m
         self.metrics.migrations.labels(action.kind.value, "started").inc()
-        task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{action.session_id}")
-        self._tasks[action.session_id] = task
-        task.add_done_callback(lambda _t, sid=action.session_id: self._tasks.pop(sid, None))
+        task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{sid}")
+        self._tasks[sid] = task
+        task.add_done_callback(lambda t, sid=sid: self._forget_task(sid, t))
         return m
 
+    def _forget_task(self, session_id: str, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(session_id) is task:  # not a newer migration of the same session
+            del self._tasks[session_id]
+
     def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
+        """Cancel the session's running migration (True if there was one) and drop its entry."""
         task = self._tasks.pop(session_id, None)
-        m = self.current.get(session_id)
+        m = self.current.pop(session_id, None)
+        self._finished.pop(session_id, None)
         if task is None or task.done():
             return False
         task.cancel()
@@ -114,8 +129,8 @@ class MigrationExecutor:
     def on_next_turn(self, session_id: str, engine: str, cached_fraction: float) -> None:
         """The session's next turn was routed: a pending migration for it is moot; record how a
         completed move served it."""
+        m = self.current.get(session_id)
         self.cancel(session_id, reason="next_turn_arrived")
-        m = self.current.pop(session_id, None)
         if m is None:
             return
         if m.action.kind == ActionKind.MOVE and m.state == "done":
@@ -190,8 +205,26 @@ class MigrationExecutor:
             self.metrics.migrations.labels(a.kind.value, "failed").inc()
             log.warning("migration %s of %s failed: %r", a.kind.value, a.session_id, exc)
         finally:
-            if m.state != "running":
+            if m.state not in ("running", "cancelled"):  # cancel() records a cancelled one
                 self.recent.append(m)
+        await self._settle(m)
+
+    async def _settle(self, m: Migration) -> None:
+        """A finished migration stays in ``current`` only while its session lives (bounded)."""
+        sid = m.action.session_id
+        if self.current.get(sid) is not m:
+            return  # replaced by a newer plan
+        rec = await self.sessions.get(sid, self.clock())
+        if self.current.get(sid) is not m:
+            return
+        if rec is None or rec.ended:
+            del self.current[sid]
+            return
+        self._finished[sid] = None
+        while len(self._finished) > MAX_FINISHED:
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            self.current.pop(oldest, None)
 
     async def _rehome(self, session_id: str, source: str, target: str) -> None:
         pool = self.cluster.engines[target].pool

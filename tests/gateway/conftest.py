@@ -14,9 +14,14 @@ from tests.conftest import ServedGateway, cluster_config, engine_specs, wait_rea
 
 @pytest.fixture(scope="package")
 def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
-    """Three real engines: one first-turn, two warm (priority scheduling on)."""
+    """Three real engines: one first-turn, two warm (priority scheduling on), with the embedded
+    default's 32K context (coding-agent prompts are 15-19K tokens with the tiny tokenizer)."""
     specs = engine_specs(
-        tiny_llama, ["first0", "warm0", "warm1"], workdir, extra_args=("--scheduling-policy", "priority")
+        tiny_llama,
+        ["first0", "warm0", "warm1"],
+        workdir,
+        max_model_len=32768,
+        extra_args=("--scheduling-policy", "priority"),
     )
     engines = start_engines(specs, timeout_s=300)
     try:

@@ -99,6 +99,14 @@ def test_command_without_kv_events_port_publishes_none(tmp_path: Path) -> None:
     assert s.kv_events_endpoint is None
 
 
+def test_command_turns_tool_calling_on_with_the_hermes_parser_unless_told_not_to(tmp_path: Path) -> None:
+    cmd = engine_command(spec(tmp_path))
+    assert "--enable-auto-tool-choice" in cmd
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+    off = engine_command(spec(tmp_path, tool_call_parser=None))
+    assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
+
+
 def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
     env = engine_env(
         spec(tmp_path, kv_cache_gib=2, extra_env={"OMP_NUM_THREADS": "2"}), base={"PATH": "/bin"}
@@ -110,6 +118,7 @@ def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
     assert env["OMP_NUM_THREADS"] == "2"  # extra_env wins
     assert env["PATH"] == "/bin"
     assert "VLLM_CACHE_ROOT" in env
+    assert env["VLLM_ENABLE_RESPONSES_API_STORE"] == "1"  # vLLM stores /v1/responses only then
 
 
 def test_free_ports_are_distinct_and_in_range() -> None:

@@ -216,3 +216,48 @@ def test_list_content_renders_like_vllms_flattened_string(tokenizer) -> None:  #
 def test_the_shipped_template_is_the_one_in_the_model(built: dict[str, Path]) -> None:
     config = json.loads((built["llama"] / "tokenizer_config.json").read_text())
     assert config["chat_template"] == chat_template()
+
+
+def test_vllms_hermes_parser_reads_back_the_tool_calls_the_template_renders(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # The engines run with `--tool-call-parser hermes` (gateway.local.engines): what the model is
+    # taught to emit for a tool call (the template's assistant turn) must be what that parser reads.
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from gateway.local.engines import DEFAULT_TOOL_CALL_PARSER
+
+    assert DEFAULT_TOOL_CALL_PARSER == "hermes"
+    calls = [
+        {"name": "read_file", "arguments": {"path": "src/main.py", "lines": [1, 20]}},
+        {"name": "bash", "arguments": {"command": "ls -la"}},
+    ]
+    messages = [
+        {"role": "user", "content": "Look around."},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "id": f"c{i}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                }
+                for i, c in enumerate(calls)
+            ],
+        },
+    ]
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert full.startswith(prompt)
+    output = full[len(prompt) :].removesuffix("<|im_end|>\n")  # the assistant's generated text
+    tools = [
+        {"type": "function", "function": {"name": c["name"], "parameters": {"type": "object"}}} for c in calls
+    ]
+    request = ChatCompletionRequest(
+        model="tiny-llama", messages=messages[:1], tools=tools, tool_choice="auto"
+    )
+    parsed = Hermes2ProToolParser(tokenizer).extract_tool_calls(output, request)
+    assert parsed.tools_called and parsed.content == "Checking.\n"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in parsed.tool_calls] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]

@@ -1,0 +1,145 @@
+"""The real coding-agent clients, Claude Code and Codex CLI, as `scripts/setup.sh` installs them.
+
+Setup installs the npm packages at the pinned versions below into `.agentgw/npm` (git-ignored;
+`AGENTGW_NPM_PREFIX` overrides). `harness_clients()` returns the two executables, refusing a
+missing or differently versioned install. `claude_env()` and `codex_env()` give each client an
+environment that talks only to `base_url` (a gateway or one vLLM engine on loopback): its own
+home folder, telemetry, error reporting and update checks off. `claude_argv()` / `codex_argv()`
+build the non-interactive commands (`claude -p`, `codex exec`); run them with `cwd=home`.
+
+    clients = harness_clients()
+    env = claude_env("http://127.0.0.1:8000", home)
+    subprocess.run(claude_argv(clients, "say hello", "tiny-llama"), env=env, cwd=home, timeout=300)
+
+Sync stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CLAUDE_CODE_PACKAGE",
+    "CLAUDE_CODE_VERSION",
+    "CODEX_PACKAGE",
+    "CODEX_VERSION",
+    "HarnessClients",
+    "HarnessMissing",
+    "claude_argv",
+    "claude_env",
+    "codex_argv",
+    "codex_env",
+    "harness_clients",
+    "npm_prefix",
+]
+
+CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
+CLAUDE_CODE_VERSION = "2.1.328"
+CODEX_PACKAGE = "@openai/codex"
+CODEX_VERSION = "0.169.0"
+
+_REPO = Path(__file__).resolve().parents[2]
+PROVIDER = "agentgw"  # the Codex model provider written by codex_env()
+
+
+class HarnessMissing(FileNotFoundError):
+    """A client is not installed, or not at the pinned version."""
+
+
+@dataclass(frozen=True)
+class HarnessClients:
+    claude: Path
+    codex: Path
+
+
+def npm_prefix() -> Path:
+    """Where setup installs the clients."""
+    return Path(os.environ.get("AGENTGW_NPM_PREFIX", _REPO / ".agentgw" / "npm"))
+
+
+def _installed(prefix: Path, package: str, version: str, command: str) -> Path:
+    manifest = prefix / "node_modules" / package / "package.json"
+    exe = prefix / "node_modules" / ".bin" / command
+    try:
+        found = json.loads(manifest.read_text(encoding="utf-8"))["version"]
+    except (OSError, ValueError, KeyError):
+        found = None
+    if found != version or not os.access(exe, os.X_OK):
+        raise HarnessMissing(
+            f"{package}@{version} is not installed in {prefix} (found {found or 'nothing'}): "
+            "run ./scripts/setup.sh"
+        )
+    return exe
+
+
+def harness_clients(prefix: Path | None = None) -> HarnessClients:
+    """The `claude` and `codex` executables at the pinned versions; HarnessMissing otherwise."""
+    prefix = npm_prefix() if prefix is None else prefix
+    return HarnessClients(
+        claude=_installed(prefix, CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION, "claude"),
+        codex=_installed(prefix, CODEX_PACKAGE, CODEX_VERSION, "codex"),
+    )
+
+
+def _offline_base(home: Path, base: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "CLAUDE_"))]:
+        del env[key]  # nothing of the caller's own accounts or settings leaks in
+    env |= {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "DO_NOT_TRACK": "1", "NO_COLOR": "1"}
+    return env
+
+
+def claude_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Claude Code talking only to `base_url` (the Anthropic API root, without `/v1`)."""
+    home.mkdir(parents=True, exist_ok=True)
+    return _offline_base(home, base) | {
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "agentgw-local",
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        # off: telemetry, error reporting, /bug, the auto-updater (all of it "nonessential traffic")
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_BUG_COMMAND": "1",
+    }
+
+
+def claude_argv(clients: HarnessClients, prompt: str, model: str, *extra: str) -> list[str]:
+    """`claude -p PROMPT --model MODEL` (add `--continue` in `extra` for the next turn)."""
+    return [str(clients.claude), "-p", prompt, "--model", model, *extra]
+
+
+def codex_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Codex talking only to `base_url` (the OpenAI API root, with `/v1`) over the Responses API.
+
+    Writes `home/.codex/config.toml`: the provider, and analytics, feedback and the update check off.
+    """
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    provider = {"name": PROVIDER, "base_url": base_url, "wire_api": "responses", "env_key": "OPENAI_API_KEY"}
+    lines = [
+        f"model_provider = {json.dumps(PROVIDER)}",
+        "check_for_update_on_startup = false",
+        "",
+        "[analytics]",
+        "enabled = false",
+        "",
+        "[feedback]",
+        "enabled = false",
+        "",
+        f"[model_providers.{PROVIDER}]",
+        *(f"{k} = {json.dumps(v)}" for k, v in provider.items()),
+        "",
+    ]
+    (codex_home / "config.toml").write_text("\n".join(lines), encoding="utf-8")
+    return _offline_base(home, base) | {"CODEX_HOME": str(codex_home), "OPENAI_API_KEY": "agentgw-local"}
+
+
+def codex_argv(clients: HarnessClients, prompt: str, model: str, *extra: str) -> list[str]:
+    """`codex exec --skip-git-repo-check -m MODEL PROMPT` (`extra` goes after `exec`, e.g. `resume --last`)."""
+    return [str(clients.codex), "exec", *extra, "--skip-git-repo-check", "-m", model, prompt]
