@@ -1,0 +1,46 @@
+"""The keyword arguments vLLM 0.32 passes to the chat template for a chat-shaped request.
+
+Mirrors ``ChatCompletionRequest.build_chat_params`` (and ``ResponsesRequest``'s, which differs only
+in where ``add_generation_prompt`` / ``continue_final_message`` come from, already resolved in a
+:class:`~gateway.wire.types.WirePrompt`'s ``chat``): the request's ``chat_template_kwargs``, then
+``add_generation_prompt``, ``continue_final_message``, ``documents`` and ``reasoning_effort`` over
+them unless ``None`` or ``"auto"``; with a ``reasoning_effort`` and no ``enable_thinking`` of the
+request's own, ``enable_thinking = reasoning_effort != "none"``. The engine's
+``--default-chat-template-kwargs`` go under these (``merge_kwargs(defaults, these)``), and vLLM
+then keeps only the names the template uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_UNSET = (None, "auto")
+
+
+def merge_kwargs(defaults: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``merge_kwargs``: ``overrides`` win, except their ``None`` and ``"auto"`` values."""
+    return {**(defaults or {}), **{k: v for k, v in (overrides or {}).items() if not _is_unset(v)}}
+
+
+def _is_unset(v: Any) -> bool:
+    return any(v is u or (isinstance(v, str) and v == u) for u in _UNSET)
+
+
+def chat_template_kwargs(
+    chat: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Template kwargs for a chat body (a Chat Completions body or a ``WirePrompt.chat``)."""
+    effort = chat.get("reasoning_effort")
+    extra: dict[str, Any] = {
+        "add_generation_prompt": chat.get("add_generation_prompt", True),
+        "continue_final_message": chat.get("continue_final_message", False),
+        "documents": chat.get("documents"),
+        "reasoning_effort": effort,
+    }
+    user = chat.get("chat_template_kwargs") or {}
+    if effort is not None and "enable_thinking" not in user:
+        extra["enable_thinking"] = effort != "none"
+    kwargs = merge_kwargs(user, extra)
+    # vLLM's ChatParams.with_defaults leaves the kwargs untouched when the engine has no defaults
+    return merge_kwargs(defaults, kwargs) if defaults else kwargs
