@@ -12,7 +12,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from gateway.local.tiny_model import chat_template
 from gateway.wire.anthropic import parse_messages, probe_disabled_thinking_effort, requires_system_first
-from gateway.wire.chat_params import chat_template_kwargs, merge_kwargs
+from gateway.wire.chat_params import chat_template_kwargs, chat_tools, merge_kwargs
 from gateway.wire.responses import parse_responses
 from tests.wire.test_anthropic import conversation as anthropic_conversation
 from tests.wire.test_responses import conversation as responses_conversation
@@ -149,3 +149,56 @@ def test_disabled_thinking_effort_probe() -> None:
     assert probe_disabled_thinking_effort(_render_with(honours)) == "none"
     # a template that refuses "none" -> "low"
     assert probe_disabled_thinking_effort(lambda effort: None if effort == "none" else effort) == "low"
+
+
+TOOL_LISTS: list[Any] = [
+    None,
+    [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}, "extra": 1}, "x": 2}],
+    [{"function": {"parameters": {"type": "object"}, "name": "g", "description": "d", "strict": True}}],
+    [{"type": "function", "defer_loading": True, "function": {"name": "h"}}],
+    [
+        {
+            "type": "function",
+            "defer_loading": False,
+            "function": {"name": "h", "defer_loading": True, "strict": "yes"},
+        }
+    ],
+]
+
+
+@pytest.mark.parametrize("tools", TOOL_LISTS, ids=str)
+def test_chat_tools_dump_like_vllm(tools: Any) -> None:
+    import json
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": MESSAGES, "tools": copy.deepcopy(tools)}
+    )
+    theirs = None if req.tools is None else [t.model_dump() for t in req.tools]
+    assert json.dumps(chat_tools(tools)) == json.dumps(theirs)
+
+
+@pytest.mark.parametrize(
+    ("tools", "field"),
+    [
+        ({}, "tools"),
+        ([], "tools"),
+        ([1], "tools[0]"),
+        ([{"type": "function"}], "tools[0].function"),
+        ([{"function": {"name": 3}}], "tools[0].function.name"),
+        ([{"function": {"name": "f", "parameters": []}}], "tools[0].function.parameters"),
+        ([{"type": "custom", "function": {"name": "f"}}], "tools[0].type"),
+    ],
+    ids=str,
+)
+def test_chat_tools_bad_input_names_the_field(tools: Any, field: str) -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from gateway.errors import ApiError
+
+    with pytest.raises(ApiError) as err:
+        chat_tools(tools)
+    assert err.value.param == field
+    with pytest.raises(Exception):  # noqa: B017 - vLLM refuses it too
+        ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": tools})
