@@ -13,10 +13,20 @@ Sources, highest precedence first (a field takes the first source that sets it):
 4. the Rust vLLM router: body ``vllm_xargs.agentic_context`` {session_id, parent_session_id /
    parent_ids, agent_role, expected_resume (s), kv_retention_ttl_seconds, priority}
 5. vLLM: header ``X-Session-ID``, body ``session_id``
-6. Claude Code: ``x-claude-code-session-id``, ``x-claude-code-agent-id``,
+6. Claude Code: ``x-claude-code-session-id`` (else the ``session_id`` inside body
+   ``metadata.user_id``, a JSON string), ``x-claude-code-agent-id``,
    ``x-claude-code-parent-agent-id`` (a subagent's session is ``<session>#<agent>``, its parent
-   ``<session>#<parent agent>`` or ``<session>`` for the main agent)
-7. Codex: ``session-id``, ``thread-id``
+   ``<session>#<parent agent>`` or ``<session>`` for the main agent),
+   ``x-claude-code-request-class`` (main | subagent | workflow | compaction | auxiliary |
+   side_reply: ``request_kind``; subagent / workflow mark a subagent)
+7. Codex: the thread is the session: ``thread-id``, else ``x-codex-turn-metadata`` (JSON; header,
+   else body ``client_metadata``) ``thread_id``, else ``session-id`` / metadata ``session_id``
+   (the root thread's id, shared by its subagents); a subagent's parent is
+   ``x-codex-parent-thread-id`` or metadata ``parent_thread_id``; ``x-openai-subagent`` (review |
+   compact | memory_consolidation | collab_spawn | a label) or metadata ``subagent_kind`` marks a
+   subagent; a fork (metadata ``forked_from_thread_id``) is a main agent whose parent is the thread
+   it forked from; metadata ``agent_name`` -> ``agent_id``, ``turn_id``, ``request_kind`` (turn |
+   prewarm | compaction | memory)
 8. aiperf: ``X-Correlation-ID``
 9. OpenAI: ``prompt_cache_key``, then ``user`` as a last resort.
 
@@ -26,6 +36,7 @@ value raises :class:`HintError` naming the field as the client wrote it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -86,6 +97,11 @@ class AgentHints:
     kv_retention_ttl_s: float | None = None
     osl: int | None = None
     speculative_prefill: bool = False
+    request_kind: str | None = None
+    """What the harness says this request is, in its own words (Codex: turn, prewarm, compaction,
+    memory; Claude Code: main, subagent, workflow, compaction, auxiliary, side_reply)."""
+    turn_id: str | None = None
+    """The harness's id for the user turn this request serves (Codex)."""
     sources: dict[str, str] = field(default_factory=dict)
     """For each set field, the dialect it came from (for explanations)."""
 
@@ -217,11 +233,100 @@ HEADER_NAMES = HINT_HEADERS | {
     "x-claude-code-session-id",
     "x-claude-code-agent-id",
     "x-claude-code-parent-agent-id",
+    "x-claude-code-request-class",
     "session-id",
     "thread-id",
+    "x-codex-turn-metadata",
+    "x-codex-parent-thread-id",
+    "x-openai-subagent",
     "x-correlation-id",
 }
-_BODY_KEYS = ("agent_hints", "nvext", "vllm_xargs", "session_id", "prompt_cache_key", "user")
+_BODY_KEYS = (
+    "agent_hints",
+    "nvext",
+    "vllm_xargs",
+    "session_id",
+    "metadata",
+    "client_metadata",
+    "prompt_cache_key",
+    "user",
+)
+#: The largest harness JSON blob (``x-codex-turn-metadata``, ``metadata.user_id``) that is read.
+MAX_HARNESS_JSON = 64 * 1024
+CLAUDE_CODE_SUBAGENT_CLASSES = frozenset({"subagent", "workflow"})
+
+
+def _json_object(text: Any) -> dict[str, Any] | None:
+    """``text`` parsed as a JSON object, or None when it is not one (a harness's own metadata:
+    a shape it changes must not turn its requests away)."""
+    if not isinstance(text, str) or not text.startswith("{") or len(text) > MAX_HARNESS_JSON:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _claude_code_metadata_session(body: Mapping[str, Any]) -> str | None:
+    """The ``session_id`` inside Claude Code's ``metadata.user_id`` (a JSON string)."""
+    metadata = body.get("metadata")
+    if not isinstance(metadata, dict):
+        return None
+    user = _json_object(metadata.get("user_id"))
+    if user is None or user.get("session_id") is None:
+        return None
+    return _id("metadata.user_id.session_id", user["session_id"])
+
+
+def _codex_metadata(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """Codex's turn metadata (the header, else body ``client_metadata``) and where it came from."""
+    meta = _json_object(headers.get("x-codex-turn-metadata"))
+    if meta is not None:
+        return meta, "x-codex-turn-metadata"
+    cm = body.get("client_metadata")
+    if isinstance(cm, dict):
+        meta = _json_object(cm.get("x-codex-turn-metadata"))
+        if meta is not None:
+            return meta, "client_metadata.x-codex-turn-metadata"
+    return {}, ""
+
+
+def _codex(b: _Builder, headers: Mapping[str, str], body: Mapping[str, Any]) -> None:
+    meta, where = _codex_metadata(headers, body)
+
+    def from_meta(key: str) -> str | None:
+        v = meta.get(key)
+        return None if v is None else _id(f"{where}.{key}", v)
+
+    thread = _id("thread-id", headers["thread-id"]) if "thread-id" in headers else from_meta("thread_id")
+    session = _id("session-id", headers["session-id"]) if "session-id" in headers else from_meta("session_id")
+    b.set("session_id", thread or session, "codex")
+    parent = (
+        _id("x-codex-parent-thread-id", headers["x-codex-parent-thread-id"])
+        if "x-codex-parent-thread-id" in headers
+        else from_meta("parent_thread_id")
+    )
+    subagent = headers.get("x-openai-subagent")
+    if subagent is not None:
+        subagent = _id("x-openai-subagent", subagent)
+    kind = subagent or (from_meta("subagent_kind") if meta.get("subagent_kind") is not None else None)
+    forked = from_meta("forked_from_thread_id")
+    if parent is not None:
+        b.set("parent_session_id", parent, "codex")
+    elif forked is not None:
+        b.set("parent_session_id", forked, "codex")
+        b.set("agent_role", "main", "codex")
+    if kind is not None or parent is not None:
+        b.set("agent_role", "subagent", "codex")
+    if meta.get("agent_name") is not None:
+        b.set("agent_id", from_meta("agent_name"), "codex")
+    if meta.get("turn_id") is not None:
+        b.set("turn_id", from_meta("turn_id"), "codex")
+    if meta.get("request_kind") is not None:
+        b.set("request_kind", from_meta("request_kind"), "codex")
+
+
 NO_HINTS = AgentHints()
 
 
@@ -323,8 +428,8 @@ def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHin
 
     # Claude Code
     cc = headers.get("x-claude-code-session-id")
+    cc = _id("x-claude-code-session-id", cc) if cc is not None else _claude_code_metadata_session(body)
     if cc is not None:
-        cc = _id("x-claude-code-session-id", cc)
         agent = headers.get("x-claude-code-agent-id")
         parent_agent = headers.get("x-claude-code-parent-agent-id")
         if agent is not None:
@@ -339,11 +444,19 @@ def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHin
             b.set("agent_role", "subagent", "claude_code")
         else:
             b.set("session_id", cc, "claude_code")
+        klass = headers.get("x-claude-code-request-class")
+        if klass is not None:
+            klass = _id("x-claude-code-request-class", klass).lower()
+            b.set("request_kind", klass, "claude_code")
+            if klass in CLAUDE_CODE_SUBAGENT_CLASSES:
+                b.set("agent_role", "subagent", "claude_code")
+            elif klass == "main":
+                b.set("agent_role", "main", "claude_code")
 
     # Codex, aiperf, OpenAI
-    for h, source in (("session-id", "codex"), ("thread-id", "codex"), ("x-correlation-id", "aiperf")):
-        if h in headers:
-            b.set("session_id", _id(h, headers[h]), source)
+    _codex(b, headers, body)
+    if "x-correlation-id" in headers:
+        b.set("session_id", _id("x-correlation-id", headers["x-correlation-id"]), "aiperf")
     for key in ("prompt_cache_key", "user"):
         if body.get(key) is not None:
             b.set("session_id", _id(key, body[key]), "openai")

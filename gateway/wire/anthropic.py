@@ -34,7 +34,7 @@ content (the engine's media processing decides its tokens).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gateway.errors import ApiError
@@ -86,6 +86,23 @@ def requires_system_first(chat_template: str | None) -> bool:
     except TemplateError:
         return True
     return False
+
+
+def probe_disabled_thinking_effort(render: Callable[[str], object | None]) -> str:
+    """vLLM's ``_probe_disabled_thinking_effort``: the ``reasoning_effort`` that
+    ``thinking: {"type": "disabled"}`` becomes on this engine.
+
+    ``render(effort)`` renders ``[{"role": "user", "content": "Hi"}]`` with that
+    ``reasoning_effort`` (vLLM's chat kwargs: ``enable_thinking = effort != "none"`` too) and returns
+    the prompt, or None when the template refuses it. ``"low"`` when ``"none"`` is refused or renders
+    like a real effort (a template that ignores efforts, or treats unknown ones as the maximum);
+    else ``"none"``. vLLM probes once per engine and keeps the answer."""
+    none_prompt = render("none")
+    if none_prompt is None:
+        return "low"
+    if any(render(effort) == none_prompt for effort in EFFORTS):
+        return "low"
+    return "none"
 
 
 def parse_messages(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -168,3 +170,223 @@ def test_invalid_hints_name_the_field(headers: dict[str, str], body: dict[str, A
         parse_hints(headers, body)
     assert err.value.field == field
     assert field in str(err.value)
+
+
+# -- harnesses: what Claude Code and Codex send ------------------------------------------------
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "captures"
+CC_SESSION = "3adc0907-82a3-49e7-a21f-e4754f55e388"
+CODEX_THREAD = "01a23109-3ccb-7261-a430-aa4d5f7d3070"
+
+
+def _capture(name: str) -> tuple[dict[str, str], dict[str, Any]]:
+    capture = json.loads((CAPTURES / name).read_text())
+    return {k.lower(): v for k, v in capture["headers"].items()}, capture["body"]
+
+
+CAPTURED: list[tuple[str, dict[str, Any]]] = [
+    (
+        "claude_code_2.1.328_turn1.json",
+        {"session_id": CC_SESSION, "agent_role": None, "sources": {"session_id": "claude_code"}},
+    ),
+    ("claude_code_2.1.328_turn2.json", {"session_id": CC_SESSION, "agent_role": None}),
+    (
+        "codex_0.169.0_turn1.json",
+        {
+            "session_id": CODEX_THREAD,
+            "agent_role": None,
+            "agent_id": "/root",
+            "request_kind": "turn",
+            "turn_id": "01a23109-3ce2-7833-b7d1-c6dd3c41ac24",
+            "parent_session_id": None,
+        },
+    ),
+    (
+        "codex_0.169.0_turn2.json",
+        {
+            "session_id": CODEX_THREAD,
+            "request_kind": "turn",
+            "turn_id": "01a23109-8512-7d61-998a-b1b10fc7d470",
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "expected"), CAPTURED, ids=[c[0] for c in CAPTURED])
+def test_live_captures_are_recognised_without_configuration(name: str, expected: dict[str, Any]) -> None:
+    headers, body = _capture(name)
+    h = parse_hints(headers, body)
+    for field, value in expected.items():
+        assert getattr(h, field) == value, field
+
+
+def test_claude_code_session_from_metadata_user_id_alone() -> None:
+    _, body = _capture("claude_code_2.1.328_turn1.json")
+    h = parse_hints({}, body)  # e.g. a proxy in between dropped the header
+    assert h.session_id == CC_SESSION and h.sources["session_id"] == "claude_code"
+
+
+def test_codex_session_from_client_metadata_alone() -> None:
+    _, body = _capture("codex_0.169.0_turn1.json")
+    h = parse_hints({}, {k: v for k, v in body.items() if k != "prompt_cache_key"})
+    assert h.session_id == CODEX_THREAD and h.request_kind == "turn" and h.agent_id == "/root"
+
+
+def _codex_meta(**fields: Any) -> str:
+    return json.dumps(
+        {"session_id": "root", "thread_id": "root", "agent_name": "/root", "request_kind": "turn", **fields}
+    )
+
+
+# Fields read from the harnesses' source (a random-weight model never starts a subagent):
+# Claude Code's cli (x-claude-code-agent-id / -parent-agent-id sent when agentType != "main";
+# x-claude-code-request-class only with CLAUDE_CODE_GATEWAY_HINT_HEADERS on) and codex-rs
+# core/src/responses_metadata.rs (x-openai-subagent, x-codex-parent-thread-id, turn metadata).
+FROM_SOURCE: list[tuple[str, dict[str, str], dict[str, Any], dict[str, Any]]] = [
+    (
+        "claude code subagent with request class",
+        {
+            "x-claude-code-session-id": "cc",
+            "x-claude-code-agent-id": "a7",
+            "x-claude-code-request-class": "subagent",
+        },
+        {},
+        {
+            "session_id": "cc#a7",
+            "parent_session_id": "cc",
+            "agent_role": "subagent",
+            "request_kind": "subagent",
+        },
+    ),
+    (
+        "claude code compaction",
+        {"x-claude-code-session-id": "cc", "x-claude-code-request-class": "compaction"},
+        {},
+        {"session_id": "cc", "agent_role": None, "request_kind": "compaction"},
+    ),
+    (
+        "claude code workflow without agent id",
+        {"x-claude-code-session-id": "cc", "x-claude-code-request-class": "Workflow"},
+        {},
+        {"session_id": "cc", "agent_role": "subagent", "request_kind": "workflow"},
+    ),
+    (
+        "claude code main by class",
+        {"x-claude-code-session-id": "cc", "x-claude-code-request-class": "main"},
+        {"metadata": {"user_id": json.dumps({"session_id": "other"})}},
+        {"session_id": "cc", "agent_role": "main"},
+    ),
+    (
+        "claude code metadata subagent header",
+        {"x-claude-code-agent-id": "a1"},
+        {"metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "cc"})}},
+        {"session_id": "cc#a1", "parent_session_id": "cc", "agent_role": "subagent"},
+    ),
+    (
+        "anthropic sdk user id is not a session",
+        {},
+        {"metadata": {"user_id": "user-42"}},
+        {"session_id": None},
+    ),
+    (
+        "codex spawned subagent",
+        {
+            "session-id": "root",
+            "thread-id": "child",
+            "x-codex-parent-thread-id": "root",
+            "x-openai-subagent": "collab_spawn",
+            "x-codex-turn-metadata": _codex_meta(
+                thread_id="child",
+                agent_name="/root/worker",
+                parent_thread_id="root",
+                subagent_kind="thread_spawn",
+                turn_id="t9",
+            ),
+        },
+        {"prompt_cache_key": "root"},
+        {
+            "session_id": "child",
+            "parent_session_id": "root",
+            "agent_role": "subagent",
+            "agent_id": "/root/worker",
+            "turn_id": "t9",
+        },
+    ),
+    (
+        "codex subagent from metadata only",
+        {"x-codex-turn-metadata": _codex_meta(thread_id="child", parent_thread_id="root")},
+        {},
+        {"session_id": "child", "parent_session_id": "root", "agent_role": "subagent"},
+    ),
+    (
+        "codex review subagent",
+        {"session-id": "root", "thread-id": "rev", "x-openai-subagent": "review"},
+        {},
+        {"session_id": "rev", "agent_role": "subagent", "parent_session_id": None},
+    ),
+    (
+        "codex fork",
+        {
+            "session-id": "root",
+            "thread-id": "side",
+            "x-codex-turn-metadata": _codex_meta(thread_id="side", forked_from_thread_id="root"),
+        },
+        {},
+        {"session_id": "side", "parent_session_id": "root", "agent_role": "main"},
+    ),
+    (
+        "codex compaction",
+        {"thread-id": "root", "x-codex-turn-metadata": _codex_meta(request_kind="compaction")},
+        {},
+        {"session_id": "root", "request_kind": "compaction"},
+    ),
+    (
+        "codex metadata that is not JSON is ignored",
+        {"session-id": "root", "x-codex-turn-metadata": "not json"},
+        {},
+        {"session_id": "root", "request_kind": None},
+    ),
+    (
+        "ours beat codex",
+        {"x-agent-session-id": "mine", "thread-id": "child", "x-codex-parent-thread-id": "root"},
+        {},
+        {"session_id": "mine", "parent_session_id": "root", "agent_role": "subagent"},
+    ),
+    (
+        "claude code beats codex and prompt_cache_key",
+        {"x-claude-code-session-id": "cc", "session-id": "cx"},
+        {"prompt_cache_key": "pck"},
+        {"session_id": "cc"},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "headers", "body", "expected"), FROM_SOURCE, ids=[c[0] for c in FROM_SOURCE]
+)
+def test_harness_fields_from_source(
+    name: str, headers: dict[str, str], body: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    h = parse_hints(headers, body)
+    for field, value in expected.items():
+        assert getattr(h, field) == value, field
+
+
+HARNESS_BAD: list[tuple[dict[str, str], dict[str, Any], str]] = [
+    ({}, {"metadata": {"user_id": json.dumps({"session_id": ""})}}, "metadata.user_id.session_id"),
+    ({"x-codex-turn-metadata": _codex_meta(thread_id="x" * 300)}, {}, "x-codex-turn-metadata.thread_id"),
+    ({"thread-id": "t", "x-codex-parent-thread-id": "bad\x01"}, {}, "x-codex-parent-thread-id"),
+    (
+        {"x-claude-code-session-id": "cc", "x-claude-code-request-class": ""},
+        {},
+        "x-claude-code-request-class",
+    ),
+]
+
+
+@pytest.mark.parametrize(("headers", "body", "field"), HARNESS_BAD)
+def test_invalid_harness_ids_name_the_field(
+    headers: dict[str, str], body: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(HintError) as err:
+        parse_hints(headers, body)
+    assert err.value.field == field
