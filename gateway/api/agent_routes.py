@@ -10,17 +10,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from gateway.api import anthropic_routes, responses_routes
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.core.hints import HintError, parse_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
-from gateway.protocol import parse_body
+from gateway.protocol import ParsedRequest, parse_body
 from gateway.service.gateway import GatewayService
 
 router = APIRouter()
@@ -102,13 +105,22 @@ async def delete_session(session_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"id": session_id, "object": "agent.session", "deleted": True})
 
 
+_PARSERS: dict[str, Callable[[bytes], ParsedRequest]] = {
+    "chat": partial(parse_body, "chat"),
+    "completions": partial(parse_body, "completions"),
+    "messages": anthropic_routes.parse,
+    "responses": responses_routes.parse,
+}
+
+
 @router.post("/debug/route", summary="Dry-run routing with the per-scorer breakdown")
 async def debug_route(
-    request: Request, endpoint: Literal["chat", "completions"] = Query("chat")
+    request: Request,
+    endpoint: Literal["chat", "completions", "messages", "responses"] = Query("chat"),
 ) -> JSONResponse:
     svc = _svc(request)
     raw = await request.body()
-    parsed = parse_body(endpoint, raw)
+    parsed = _PARSERS[endpoint](raw)
     try:
         a = await svc.analyze(parsed, request.headers.raw, dry_run=True)
         d = svc.decide(a)
