@@ -24,7 +24,11 @@ TOOLS = [
     {
         "name": "bash",
         "description": "Run a shell command.",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
     }
 ]
 SYSTEM = "You are a coding agent. " + "Follow the repository's conventions. " * 60
@@ -37,11 +41,16 @@ def _messages_body(session: str, turns: int) -> dict[str, Any]:
         msgs.append(
             {
                 "role": "assistant",
-                "content": [{"type": "tool_use", "id": f"toolu_{t}", "name": "bash", "input": {"command": "ls"}}],
+                "content": [
+                    {"type": "tool_use", "id": f"toolu_{t}", "name": "bash", "input": {"command": "ls"}}
+                ],
             }
         )
         msgs.append(
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": "a.py b.py"}]}
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": "a.py b.py"}],
+            }
         )
     msgs.append({"role": "user", "content": "Now fix a.py."})
     return {
@@ -115,7 +124,11 @@ def test_messages_errors_are_anthropic_shaped_and_name_the_field(gateway: Served
     assert "messages[0].content" in err["error"]["message"]
     r = httpx.post(f"{gateway.url}/v1/messages?beta=true", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["type"] == "error"
-    r = httpx.post(f"{gateway.url}/v1/messages", json={"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    r = httpx.post(
+        f"{gateway.url}/v1/messages",
+        json={"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=10,
+    )
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
 
 
@@ -124,7 +137,12 @@ def _chain(client: openai.OpenAI, n: int, **extra: Any) -> list[tuple[str, str]]
     out: list[tuple[str, str]] = []
     prev = None
     for t in range(n):
-        kw: dict[str, Any] = {"model": MODEL, "input": f"turn {t}: say hello.", "max_output_tokens": 8, **extra}
+        kw: dict[str, Any] = {
+            "model": MODEL,
+            "input": f"turn {t}: say hello.",
+            "max_output_tokens": 8,
+            **extra,
+        }
         if prev is not None:
             kw["previous_response_id"] = prev
         raw = client.responses.with_raw_response.create(**kw)

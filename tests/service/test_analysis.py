@@ -24,7 +24,10 @@ def body(user: str, n: int = 1) -> dict[str, Any]:
 
 
 def models(tiny_llama: Path) -> list[ModelConfig]:
-    return [ModelConfig(name="m", tokenizer=str(tiny_llama), block_size=128, hash_seed="0"), ModelConfig(name="plain")]
+    return [
+        ModelConfig(name="m", tokenizer=str(tiny_llama), block_size=128, hash_seed="0"),
+        ModelConfig(name="plain"),
+    ]
 
 
 @pytest.mark.parametrize("mode", ["inline", "thread", "process"])
