@@ -175,3 +175,48 @@ def test_pin_settings(extra: dict | None, expected: tuple[int, int]) -> None:
 def test_pin_settings_reject_bad_values(extra: dict) -> None:
     with pytest.raises(ValueError):
         pin_settings(extra, 17)
+
+
+def test_control_server_queues_device_commands_and_reports_the_pins() -> None:
+    import httpx
+
+    from engine_ext.control import ControlServer, ControlService, service_on
+    from engine_ext.pinned_policy import PinnedLRUCachePolicy
+
+    pool = _pool()
+    pins = DevicePins(pool, max_blocks=8)
+    _finish(pins, pool, "s", 3, ttl=None)
+    clock = lambda: 100.0  # noqa: E731
+    srv = ControlServer(
+        ControlService(PinnedLRUCachePolicy(16, clock=clock), lambda: {"host": {}, "tiers": {}}),
+        "127.0.0.1",
+        0,
+        "t",
+    )
+    srv.start()
+    url, auth = f"http://127.0.0.1:{srv.port}", {"Authorization": "Bearer t"}
+    try:
+        service = service_on(0)
+        assert service is srv.service
+        assert httpx.get(f"{url}/v1/kv/stats", headers=auth).json()["device"] is None
+        service.attach_device(pins, clock)
+        r = httpx.post(f"{url}/v1/kv/pin", json={"session_id": "s", "ttl_s": 30}, headers=auth).json()
+        assert r["device"] == {"queued": True, "known_blocks": 3} and pins.num_pinned_blocks == 0
+        pins.apply_commands()  # what the scheduler does at its next step
+        stats = httpx.get(f"{url}/v1/kv/stats", headers=auth).json()["device"]
+        assert stats["pinned_blocks"] == 3 and stats["sessions"] == {"s": {"blocks": 3, "ttl_left_s": 30.0}}
+        session = httpx.get(f"{url}/v1/kv/sessions/s", headers=auth).json()
+        assert session["device_pin"] == {"blocks": 3, "ttl_left_s": 30.0}
+        text = httpx.get(f"{url}/metrics", headers=auth).text
+        assert "agentgw_kv_device_pinned_blocks 3\n" in text
+        assert 'agentgw_kv_device_pin_releases_total{reason="released"} 0\n' in text
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        httpx.post(f"{url}/v1/kv/unpin", json={"session_id": "s"}, headers=auth)
+        pins.apply_commands()
+        assert pins.num_pinned_blocks == 0 and pins.known_blocks("s") == 3
+        httpx.post(f"{url}/v1/kv/evict", json={"session_id": "s"}, headers=auth)
+        pins.apply_commands()
+        assert pins.known_blocks("s") == 0
+    finally:
+        srv.stop()
+    assert service_on(0) is None
