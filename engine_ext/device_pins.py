@@ -70,9 +70,28 @@ class _Pin:
     blocks: list[Any] = field(default_factory=list)
 
 
-def cacheable(blocks: Iterable[Any]) -> list[tuple[Any, Any]]:
-    """(block, its hash now) for the blocks that hold a cached full block (not null, hashed)."""
-    return [(b, b.block_hash) for b in blocks if not b.is_null and b.block_hash is not None]
+def cacheable(groups: Iterable[Iterable[Any]]) -> list[tuple[int, Any, Any]]:
+    """(group, block, its hash now) for each block, per KV cache group in prefix order, that
+    holds a cached block (not null, hashed)."""
+    return [
+        (g, b, b.block_hash)
+        for g, blocks in enumerate(groups)
+        for b in blocks
+        if not b.is_null and b.block_hash is not None
+    ]
+
+
+def _leading_live(recorded: Iterable[tuple[int, Any, Any]]) -> list[Any]:
+    """Per group, the recorded blocks up to the first one evicted since (a prefix hit stops there)."""
+    live, broken = [], set()
+    for g, b, h in recorded:
+        if g in broken:
+            continue
+        if b.block_hash == h:
+            live.append(b)
+        else:
+            broken.add(g)
+    return live
 
 
 class DevicePins:
@@ -84,7 +103,7 @@ class DevicePins:
         self._pins: OrderedDict[str, _Pin] = OrderedDict()
         self._held: dict[int, int] = {}  # block_id -> number of pins holding it
         # session -> (block, hash) of its last finished request, for pins asked later (control API)
-        self._last: OrderedDict[str, list[tuple[Any, Any]]] = OrderedDict()
+        self._last: OrderedDict[str, list[tuple[int, Any, Any]]] = OrderedDict()
         self._commands: deque[PinCommand] = deque()
         self._max_commands = max_commands
         self.counters = dict.fromkeys((*_REASONS, "pinned", "refused_over_bound", "stale_blocks"), 0)
@@ -93,12 +112,14 @@ class DevicePins:
 
     # ---- engine-core thread -------------------------------------------------------------------
 
-    def finished(self, session_id: str, blocks: Iterable[Any], ttl_s: float | None, now: float) -> None:
-        """A request of the session ended holding `blocks` (its prefix, in order).
+    def finished(
+        self, session_id: str, groups: Iterable[Iterable[Any]], ttl_s: float | None, now: float
+    ) -> None:
+        """A request of the session ended holding `groups` (its blocks per KV cache group).
 
         `ttl_s > 0` pins that prefix until `now + ttl_s`; `ttl_s == 0` releases the pin; None
         keeps a live pin's deadline and moves it to this newer prefix."""
-        self._last[session_id] = cacheable(blocks)
+        self._last[session_id] = cacheable(groups)
         self._last.move_to_end(session_id)
         while len(self._last) > self.max_sessions:
             self._last.popitem(last=False)
@@ -112,8 +133,9 @@ class DevicePins:
 
     def pin(self, session_id: str, until: float) -> int:
         """Pin the session's last recorded prefix until `until`; returns the blocks pinned."""
-        live = [b for b, h in self._last.get(session_id, ()) if b.block_hash == h and h is not None]
-        self.counters["stale_blocks"] += len(self._last.get(session_id, ())) - len(live)
+        recorded = self._last.get(session_id, [])
+        live = _leading_live(recorded)
+        self.counters["stale_blocks"] += len(recorded) - len(live)
         old = self._pins.pop(session_id, None)
         if old is not None:
             self._drop(old.blocks)

@@ -100,9 +100,8 @@ class PinningScheduler(Scheduler):
                 pins.forget(hint.session_id)
             else:
                 # before the request lets go of its blocks, so there is no window to evict them
-                blocks = self.kv_cache_manager.get_blocks(request.request_id).blocks
-                flat = [b for group in blocks for b in group]
-                pins.finished(hint.session_id, flat, hint.ttl_s, self.clock())
+                groups = self.kv_cache_manager.get_blocks(request.request_id).blocks
+                pins.finished(hint.session_id, groups, hint.ttl_s, self.clock())
         return super()._free_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:

@@ -33,7 +33,7 @@ def _request(pool: BlockPool, n: int) -> list:
 def _finish(pins: DevicePins, pool: BlockPool, session: str, n: int, ttl: float | None, now: float = 0.0):
     blocks = _request(pool, n)
     hashes = [b.block_hash for b in blocks]
-    pins.finished(session, blocks, ttl, now)
+    pins.finished(session, [blocks], ttl, now)
     pool.free_blocks(reversed(blocks))  # the request ends: vLLM drops its references
     return blocks, hashes
 
@@ -91,8 +91,8 @@ def test_shared_blocks_count_once_and_stay_until_the_last_pin_goes() -> None:
     pins = DevicePins(pool, max_blocks=8)
     shared = _request(pool, 2)
     own = _request(pool, 1)
-    pins.finished("a", shared, 60.0, 0.0)
-    pins.finished("b", [*shared, *own], 60.0, 0.0)
+    pins.finished("a", [shared], 60.0, 0.0)
+    pins.finished("b", [[*shared, *own]], 60.0, 0.0)
     pool.free_blocks([*shared, *own])
     assert pins.num_pinned_blocks == 3
     pins.release("a")
@@ -120,6 +120,20 @@ def test_a_new_turn_moves_a_live_pin_to_the_newer_prefix_and_keeps_its_deadline(
     assert pins.num_pinned_blocks == 4 and all(b.ref_cnt == 1 for b in newer[0])
     _finish(pins, pool, "a", 1, ttl=0.0, now=11.0)  # pin_ttl_s == 0 releases
     assert pins.session("a", 11.0) is None
+
+
+def test_a_pin_asked_later_holds_only_the_prefix_still_cached_in_each_group() -> None:
+    pool = _pool()
+    pins = DevicePins(pool, max_blocks=16)
+    full, window = _request(pool, 4), _request(pool, 2)  # e.g. a full-attention and a window group
+    pins.finished("a", [full, [pool.null_block, *window]], None, 0.0)
+    pool.free_blocks([*full, *window])
+    evicted = full[1]
+    pool.touch([evicted])  # take block 1 of the prefix out and evict its hash, as reuse would
+    pool.evict_blocks({evicted.block_id})
+    assert pins.pin("a", 60.0) == 1 + 2  # block 0 of the first group, both of the second
+    assert pins.counters["stale_blocks"] == 3
+    assert full[2].ref_cnt == 0 and window[0].ref_cnt == 1
 
 
 def test_stale_blocks_are_not_pinned() -> None:
@@ -175,3 +189,48 @@ def test_pin_settings(extra: dict | None, expected: tuple[int, int]) -> None:
 def test_pin_settings_reject_bad_values(extra: dict) -> None:
     with pytest.raises(ValueError):
         pin_settings(extra, 17)
+
+
+def test_control_server_queues_device_commands_and_reports_the_pins() -> None:
+    import httpx
+
+    from engine_ext.control import ControlServer, ControlService, service_on
+    from engine_ext.pinned_policy import PinnedLRUCachePolicy
+
+    pool = _pool()
+    pins = DevicePins(pool, max_blocks=8)
+    _finish(pins, pool, "s", 3, ttl=None)
+    clock = lambda: 100.0  # noqa: E731
+    srv = ControlServer(
+        ControlService(PinnedLRUCachePolicy(16, clock=clock), lambda: {"host": {}, "tiers": {}}),
+        "127.0.0.1",
+        0,
+        "t",
+    )
+    srv.start()
+    url, auth = f"http://127.0.0.1:{srv.port}", {"Authorization": "Bearer t"}
+    try:
+        service = service_on(0)
+        assert service is srv.service
+        assert httpx.get(f"{url}/v1/kv/stats", headers=auth).json()["device"] is None
+        service.attach_device(pins, clock)
+        r = httpx.post(f"{url}/v1/kv/pin", json={"session_id": "s", "ttl_s": 30}, headers=auth).json()
+        assert r["device"] == {"queued": True, "known_blocks": 3} and pins.num_pinned_blocks == 0
+        pins.apply_commands()  # what the scheduler does at its next step
+        stats = httpx.get(f"{url}/v1/kv/stats", headers=auth).json()["device"]
+        assert stats["pinned_blocks"] == 3 and stats["sessions"] == {"s": {"blocks": 3, "ttl_left_s": 30.0}}
+        session = httpx.get(f"{url}/v1/kv/sessions/s", headers=auth).json()
+        assert session["device_pin"] == {"blocks": 3, "ttl_left_s": 30.0}
+        text = httpx.get(f"{url}/metrics", headers=auth).text
+        assert "agentgw_kv_device_pinned_blocks 3\n" in text
+        assert 'agentgw_kv_device_pin_releases_total{reason="released"} 0\n' in text
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        httpx.post(f"{url}/v1/kv/unpin", json={"session_id": "s"}, headers=auth)
+        pins.apply_commands()
+        assert pins.num_pinned_blocks == 0 and pins.known_blocks("s") == 3
+        httpx.post(f"{url}/v1/kv/evict", json={"session_id": "s"}, headers=auth)
+        pins.apply_commands()
+        assert pins.known_blocks("s") == 0
+    finally:
+        srv.stop()
+    assert service_on(0) is None
