@@ -393,6 +393,23 @@ def plot(
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in sweep.items():
+            pts = sorted(pts)
+            ax.plot([p[2] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            for lanes, tpgs, inter, _ in pts:
+                ax.annotate(str(lanes), (inter, tpgs), fontsize=6, alpha=0.6)
+        ax.axvline(slo_tok_s, color="red", linestyle="--", linewidth=1)
+        ax.set_xlabel("P90 interactivity (tok/s)")
+        ax.set_ylabel("total tokens per GPU-second")
+        ax.set_title(sweep_title + " (labels: lanes; dashed: the SLO)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "tpgs_vs_interactivity.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
     return written
 
 
