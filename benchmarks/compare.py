@@ -19,7 +19,9 @@ by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, p
 subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
 real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
 ``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold instead
-of the work-conserving cost split (the split as first built); ``+intf`` adds the ``interference``
+of the work-conserving cost split (the split as first built); ``+bal`` adds the ``home_load`` scorer (weight 5: new sessions and subagents land where
+the fewest live sessions' context is homed, balancing the KV decoding sequences hold); ``+intf``
+adds the ``interference``
 scorer (``--interference-weight``: new sessions land where their prefill costs least, counting
 the decoders it slows); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
@@ -97,6 +99,11 @@ DYNAMO: dict[str, dict[str, tuple[float, float | None, float]]] = {
 }
 
 
+#: The ``home_load`` weight of ``+bal`` policies (8x24x10 on the Weka dev traces, agentic+hints:
+#: P90 interactivity 39.3 tok/s at 0, 41.5 at 2, 46.1 at 5).
+HOME_LOAD_WEIGHT = 5.0
+
+
 def parse_config(text: str) -> tuple[int, int, float]:
     w, lanes, sp = text.split("x")
     return int(w), int(lanes), float(sp)
@@ -139,6 +146,8 @@ def run_one(
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
+    if "bal" in flags:
+        routing = replace(routing, weights={**routing.weights, "home_load": HOME_LOAD_WEIGHT})
     if "intf" in flags:
         routing = replace(routing, weights={**routing.weights, "interference": interference_weight})
     if weights:
@@ -381,6 +390,23 @@ def plot(
         ax.legend(fontsize=8)
         fig.tight_layout()
         p = out / "ttft_p90_vs_lanes.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy, pts in sweep.items():
+            pts = sorted(pts)
+            ax.plot([p[2] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            for lanes, tpgs, inter, _ in pts:
+                ax.annotate(str(lanes), (inter, tpgs), fontsize=6, alpha=0.6)
+        ax.axvline(slo_tok_s, color="red", linestyle="--", linewidth=1)
+        ax.set_xlabel("P90 interactivity (tok/s)")
+        ax.set_ylabel("total tokens per GPU-second")
+        ax.set_title(sweep_title + " (labels: lanes; dashed: the SLO)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / "tpgs_vs_interactivity.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
