@@ -93,20 +93,30 @@ def _offline_base(home: Path, base: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-def claude_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Claude Code talking only to `base_url` (the Anthropic API root, without `/v1`)."""
+def claude_env(
+    base_url: str, home: Path, base: Mapping[str, str] | None = None, max_output_tokens: int | None = None
+) -> dict[str, str]:
+    """Claude Code talking only to `base_url` (the Anthropic API root, without `/v1`).
+
+    `max_output_tokens` replaces its `max_tokens` (32000 by default: a random-weight model rarely
+    stops before the context is full)."""
     home.mkdir(parents=True, exist_ok=True)
-    return _offline_base(home, base) | {
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "agentgw-local",
-        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
-        # off: telemetry, error reporting, /bug, the auto-updater (all of it "nonessential traffic")
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_BUG_COMMAND": "1",
-    }
+    limit = {} if max_output_tokens is None else {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)}
+    return (
+        _offline_base(home, base)
+        | limit
+        | {
+            "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": "agentgw-local",
+            "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+            # off: telemetry, error reporting, /bug, the auto-updater (all of it "nonessential traffic")
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_BUG_COMMAND": "1",
+        }
+    )
 
 
 def claude_argv(clients: HarnessClients, prompt: str, model: str, *extra: str) -> list[str]:

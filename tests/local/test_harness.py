@@ -48,6 +48,11 @@ def test_environments_point_at_the_base_url_with_their_own_home_and_nothing_phon
     assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["HOME"] == str(tmp_path / "c")
     assert "ANTHROPIC_AUTH_TOKEN" not in env and env["PATH"] == "/bin"
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == env["DISABLE_TELEMETRY"] == "1"
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" not in env
+    assert (
+        claude_env("http://x", tmp_path / "c", base, max_output_tokens=64)["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]
+        == "64"
+    )
 
     env = codex_env("http://127.0.0.1:9/v1", tmp_path / "x", base)
     assert "OPENAI_BASE_URL" not in env and env["OPENAI_API_KEY"]
