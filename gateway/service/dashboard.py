@@ -30,6 +30,7 @@ import httpx
 from gateway.core.planner import ActionKind
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.sessions import SessionRecord
+from gateway.core.turn import IndexKind
 from gateway.core.types import Medium
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ def _pins(rec: SessionRecord, service: GatewayService, last: Migration | None) -
             pins.append({"engine": t, "until": last.started + last.action.pin_ttl_s, "by": "prefetch"})
     if rec.home is not None and service.migrations.controllable(rec.home) and rec.turns:
         # each request to a control-enabled engine carries a pin for the expected gap
-        # (GatewayService._forward_body); a hinted kv_retention_ttl_s overrides it and is not kept
+        # (GatewayService._pin); a hinted kv_retention_ttl_s overrides it and is not kept
         mc = service.config.migration
         gap = rec.expected_gap()
         ttl = min((gap if gap is not None else mc.default_gap_s) + mc.pin_margin_s, mc.max_pin_s)
@@ -342,15 +343,19 @@ async def dashboard_state(
             homes[r.home] = homes.get(r.home, 0) + 1
 
     ready = cluster.ready()
+    chunk_chars = service.config.routing.approx_chunk_chars
     pools = []
     for pool_name, names in cluster.pools.items():
         engines = []
         for name in names:
             s = cluster.engines[name]
-            bs = service.block_sizes.get(s.config.model, 128)
-            approx_bs = max(1, service.config.routing.approx_chunk_chars // 4)
-            exact = _held_by_medium(service.index, name)
-            approx = _held_by_medium(service.approx, name)
+            model = s.config.model
+            bs = service.prompts.block_size(model)
+            # the approximate index holds text chunks (~4 characters a token) unless the model is
+            # tokenized (exact hashes without KV events)
+            approx_bs = bs if model in service.prompts.tokenizers else max(1, chunk_chars // 4)
+            exact = _held_by_medium(service.placement.indexes[IndexKind.PRECISE], name)
+            approx = _held_by_medium(service.placement.indexes[IndexKind.APPROX], name)
             tiers = {k: exact[k] * bs + approx[k] * approx_bs for k in exact}
             engines.append(
                 {
