@@ -274,13 +274,15 @@ def _pins(rec: SessionRecord, service: GatewayService, last: Migration | None) -
     ):
         for t in last.ready:
             pins.append({"engine": t, "until": last.started + last.action.pin_ttl_s, "by": "prefetch"})
-    if rec.home is not None and service.migrations.controllable(rec.home) and rec.turns:
-        # each request to a control-enabled engine carries a pin for the expected gap
-        # (GatewayService._pin); a hinted kv_retention_ttl_s overrides it and is not kept
+    served = (rec.last_decision or {}).get("engine") or rec.home
+    if served is not None and service.migrations.controllable(served) and rec.turns:
+        # each request to a control-enabled engine carries a pin for the expected gap, on the
+        # engine that served it (GatewayService._pin); a hinted kv_retention_ttl_s overrides it
+        # and is not kept
         mc = service.config.migration
         gap = rec.expected_gap()
         ttl = min((gap if gap is not None else mc.default_gap_s) + mc.pin_margin_s, mc.max_pin_s)
-        pins.append({"engine": rec.home, "until": rec.last_activity + ttl, "by": "request"})
+        pins.append({"engine": served, "until": rec.last_activity + ttl, "by": "request"})
     return pins
 
 

@@ -75,7 +75,8 @@ def _wait_for(d: webdriver.Chrome, what: str, cond: Any) -> Any:
         raise AssertionError(f"the dashboard never showed {what}") from None
 
 
-def _keep(shot: Path) -> None:
+def keep_artifact(shot: Path) -> None:
+    """Copy a screenshot to ``$AGENTGW_ARTIFACTS`` when it is set."""
     dest = os.environ.get("AGENTGW_ARTIFACTS")
     if dest:
         Path(dest).mkdir(parents=True, exist_ok=True)
@@ -130,4 +131,4 @@ def test_dashboard_shows_a_session_appear_and_its_turns_grow(
 
     shot = tmp_path / "dashboard.png"
     assert d.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
-    _keep(shot)
+    keep_artifact(shot)
