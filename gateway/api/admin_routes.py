@@ -2,7 +2,8 @@
 hot path).
 
 The dashboard (``GET /dashboard``: one static page from the package, no build step, no CDN; it
-polls ``GET /dashboard/state``) goes through :func:`require_admin`.
+polls ``GET /dashboard/state``) goes through :func:`require_admin`. Its routes are an operator
+tool, documented in docs/operations.md, not part of the API contract (openapi/agentgw.yaml).
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ def _asset(name: str) -> bytes:
     return (resources.files("gateway.api") / "static" / name).read_bytes()
 
 
-@router.get("/dashboard", summary="The operator dashboard (HTML)", dependencies=[Depends(require_admin)])
+@router.get(
+    "/dashboard",
+    summary="The operator dashboard (HTML)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
 async def dashboard_page() -> Response:
     return Response(_asset("dashboard.html"), media_type=_ASSETS["dashboard.html"])
 
@@ -93,6 +99,7 @@ async def dashboard_page() -> Response:
     "/dashboard/static/{name}",
     summary="The dashboard's script and style",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def dashboard_asset(name: str) -> Response:
     media = _ASSETS.get(name)
@@ -105,6 +112,7 @@ async def dashboard_asset(name: str) -> Response:
     "/dashboard/state",
     summary="The dashboard's data: pools, engines, sessions, migrations, traffic",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def dashboard_data(
     request: Request, sessions: int = Query(MAX_SESSIONS, ge=0, le=MAX_SESSIONS)
