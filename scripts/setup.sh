@@ -11,6 +11,8 @@ if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; f
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
+# headless browser for the dashboard test (tests/gateway/test_dashboard_browser.py)
+command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium chromium-driver)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} (apt)"
   $SUDO apt-get update -qq

@@ -1,12 +1,23 @@
-"""Liveness, readiness, metrics and the model list (FastAPI: not on the hot path)."""
+"""Liveness, readiness, metrics, the model list and the operator dashboard (FastAPI: not on the
+hot path).
+
+The dashboard (``GET /dashboard``: one static page from the package, no build step, no CDN; it
+polls ``GET /dashboard/state``) goes through :func:`require_admin`. Its routes are an operator
+tool, documented in docs/operations.md, not part of the API contract (openapi/agentgw.yaml).
+"""
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import time
+from importlib import resources
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.errors import ApiError
+from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
 from gateway.service.gateway import GatewayService
 
 router = APIRouter()
@@ -46,3 +57,67 @@ async def models(request: Request) -> dict[str, object]:
         for m in _svc(request).cluster.models()
     ]
     return {"object": "list", "data": data}
+
+
+# -- the operator dashboard ----------------------------------------------------------------------
+def require_admin(request: Request) -> None:
+    """The admin check of every operator route. Today: loopback clients only (no admin key is
+    configured yet); an admin key, when configured, is to be checked here."""
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ApiError(403, "the dashboard is served to loopback clients only", None, "forbidden")
+
+
+_ASSETS = {
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+
+
+@functools.cache
+def _asset(name: str) -> bytes:
+    """A packaged dashboard file (gateway/api/static/), read once."""
+    return (resources.files("gateway.api") / "static" / name).read_bytes()
+
+
+@router.get(
+    "/dashboard",
+    summary="The operator dashboard (HTML)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def dashboard_page() -> Response:
+    return Response(_asset("dashboard.html"), media_type=_ASSETS["dashboard.html"])
+
+
+@router.get(
+    "/dashboard/static/{name}",
+    summary="The dashboard's script and style",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def dashboard_asset(name: str) -> Response:
+    media = _ASSETS.get(name)
+    if media is None or name == "dashboard.html":
+        raise ApiError(404, f"no dashboard asset '{name}'", "name", "not_found")
+    return Response(_asset(name), media_type=media, headers={"cache-control": "no-cache"})
+
+
+@router.get(
+    "/dashboard/state",
+    summary="The dashboard's data: pools, engines, sessions, migrations, traffic",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def dashboard_data(
+    request: Request, sessions: int = Query(MAX_SESSIONS, ge=0, le=MAX_SESSIONS)
+) -> JSONResponse:
+    svc = _svc(request)
+    history: DashboardHistory | None = getattr(request.app.state, "dashboard", None)
+    state = await dashboard_state(svc, history, svc.clock(), session_limit=sessions)
+    return JSONResponse(state, headers={"cache-control": "no-store"})

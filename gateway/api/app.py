@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
 from gateway.service.cluster import Cluster
+from gateway.service.dashboard import DashboardHistory
 from gateway.service.gateway import GatewayService
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_upstream
@@ -71,9 +72,12 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         await cluster.probe_once()
         cluster.start()
         service.start()
+        app.state.dashboard = DashboardHistory(service)
+        app.state.dashboard.start()
         try:
             yield
         finally:
+            await app.state.dashboard.stop()
             app.state.holder.service = None
             await service.stop()
             await cluster.stop()

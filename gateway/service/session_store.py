@@ -13,6 +13,7 @@ sorted set ``<prefix>lru`` (score = last activity) trimmed to ``capacity`` on ev
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -34,7 +35,13 @@ class SessionStore(Protocol):
 
     async def delete(self, session_id: str) -> SessionRecord | None: ...
 
+    async def recent(self, limit: int, now: float) -> list[SessionRecord]: ...
+
     async def close(self) -> None: ...
+
+
+MAX_RECENT_LISTING = 1000
+"""The most records one :meth:`SessionStore.recent` call returns (the dashboard's listing)."""
 
 
 class MemorySessionStore:
@@ -55,6 +62,14 @@ class MemorySessionStore:
 
     async def delete(self, session_id: str) -> SessionRecord | None:
         return self.table.remove(session_id)
+
+    async def recent(self, limit: int, now: float) -> list[SessionRecord]:
+        """Up to ``limit`` (at most MAX_RECENT_LISTING) live records, most recently active first."""
+        n = max(0, min(limit, MAX_RECENT_LISTING))
+        ttl = self.table.ttl_s
+        # the table is ordered by last write (LRU); read it from the newest end without copying
+        newest = reversed(self.table._records.values())
+        return list(itertools.islice((r for r in newest if now - r.last_activity <= ttl), n))
 
     async def close(self) -> None:
         return None
@@ -116,6 +131,19 @@ class RedisSessionStore:
         await self.redis.delete(self._key(session_id))
         await self.redis.zrem(f"{self.prefix}lru", session_id)
         return rec
+
+    async def recent(self, limit: int, now: float) -> list[SessionRecord]:
+        """Up to ``limit`` (at most MAX_RECENT_LISTING) records, most recently active first: the
+        top of the LRU sorted set, then one MGET (expired keys read as missing and are skipped)."""
+        n = max(0, min(limit, MAX_RECENT_LISTING))
+        if n == 0:
+            return []
+        ids = await self.redis.zrevrange(f"{self.prefix}lru", 0, n - 1)
+        if not ids:
+            return []
+        names = [i.decode() if isinstance(i, bytes) else i for i in ids]
+        raws = await self.redis.mget([self._key(i) for i in names])
+        return [SessionRecord.from_dict(orjson.loads(raw)) for raw in raws if raw is not None]
 
     async def close(self) -> None:
         await self.redis.aclose()
