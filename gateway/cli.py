@@ -14,19 +14,10 @@ def _serve_app(config: GatewayConfig, log_level: str) -> None:
     import uvicorn
 
     from gateway.api.app import create_app
+    from gateway.api.server import uvicorn_config
 
-    uvicorn.run(
-        create_app(config),
-        host=config.listen.host,
-        port=config.listen.port,
-        log_level=log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        proxy_headers=False,  # a measurable per-request cost; the gateway is not behind a proxy
-        server_header=False,
-    )
+    # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
+    uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level)).run()
 
 
 def main(argv: list[str] | None = None) -> int:

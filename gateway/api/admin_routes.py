@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.api.auth import require_admin, tenant_of
 from gateway.service.gateway import GatewayService
 
 router = APIRouter()
@@ -26,10 +27,11 @@ async def health() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     pools = _svc(request).cluster.ready()
     ok = bool(pools) and all(pools.values())
-    return JSONResponse({"ready": ok, "pools": pools}, status_code=200 if ok else 503)
+    degraded = await _svc(request).sessions.probe()  # a shared store down: routing on the local view
+    return JSONResponse({"ready": ok, "pools": pools, "degraded": degraded}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics (admin key)", dependencies=[Depends(require_admin)])
 async def metrics(request: Request) -> Response:
     svc = _svc(request)
     for name, s in svc.cluster.engines.items():
@@ -41,8 +43,10 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models", summary="The models served by healthy engines, in OpenAI's shape")
 async def models(request: Request) -> dict[str, object]:
     now = int(time.time())
+    tenant = tenant_of(request)
     data = [
         {"id": m, "object": "model", "created": now, "owned_by": "agentgw"}
         for m in _svc(request).cluster.models()
+        if tenant.allows_model(m)
     ]
     return {"object": "list", "data": data}
