@@ -112,6 +112,7 @@ def test_open_registry_without_keys_on_loopback_only(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="agentgw.tenants"):
         reg = TenantRegistry.from_config(load_config(None).auth, "127.0.0.1", environ={})
     assert reg.open and reg.authenticate([]) is ANONYMOUS and reg.is_admin([])
+    reg.require_admin([])  # admin routes are open too
     assert ANONYMOUS.namespace("s") == "s" and ANONYMOUS.cache_salt is None
     assert "WITHOUT API keys" in caplog.text
     with pytest.raises(ConfigError, match="not loopback"):
