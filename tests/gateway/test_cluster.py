@@ -104,7 +104,7 @@ def _panic_cluster(state: dict[str, str], threshold: float = 0.0) -> Cluster:
 
 
 def _route(cluster: Cluster) -> str:
-    from gateway.core.router import RoutingParams, Router
+    from gateway.core.router import Router, RoutingParams
     from gateway.core.types import RouteRequest, Snapshot
 
     router = Router(RoutingParams(profile="least_loaded"))
