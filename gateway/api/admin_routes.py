@@ -37,6 +37,9 @@ async def metrics(request: Request) -> Response:
     for name, s in svc.cluster.engines.items():
         svc.metrics.engine_healthy.labels(name).set(1 if s.healthy else 0)
         svc.metrics.inflight.labels(name).set(s.inflight)
+    for pool, panic in svc.cluster.panicking().items():
+        svc.metrics.engine_panic.labels(pool).set(1 if panic else 0)
+    svc.metrics.session_store_degraded.set(1 if await svc.sessions.probe() else 0)
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -126,6 +126,7 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             if self._body_timer is not None:
                 self._body_timer.cancel()
                 self._body_timer = None
+            self._in_headers = True  # what follows on this connection is the next request's head
             super().on_message_complete()
 
         # -- limits ------------------------------------------------------------------------

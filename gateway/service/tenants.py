@@ -33,6 +33,8 @@ from gateway.errors import ApiError
 log = logging.getLogger("agentgw.tenants")
 
 MAX_KEY_BYTES = 4096
+CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})
+"""Headers carrying the caller's key: never forwarded to an engine."""
 Headers = Iterable[tuple[bytes, bytes]]
 
 

@@ -196,6 +196,7 @@ def test_gateway_keeps_routing_with_redis_stopped(rp: RedisProcess) -> None:
                 assert chat("s2").status_code == 200
                 ready = c.get("/ready")
                 assert ready.status_code == 200 and ready.json()["degraded"] is True
+                assert "agentgw_session_store_degraded 1.0" in c.get("/metrics").text
                 s = c.get("/v1/agent/sessions/s1")
                 assert s.status_code == 200 and s.json()["turns"] >= 2, s.text
                 h = c.post("/v1/agent/sessions/s2/hints", json={"expected_tool_latency_ms": 5000})
@@ -208,5 +209,6 @@ def test_gateway_keeps_routing_with_redis_stopped(rp: RedisProcess) -> None:
                         break
                     time.sleep(0.1)
                 assert c.get("/ready").json()["degraded"] is False
+                assert "agentgw_session_store_degraded 0.0" in c.get("/metrics").text
                 assert stored(rp, "s1") is not None and stored(rp, "s2") is None
                 assert chat("s1").status_code == 200
