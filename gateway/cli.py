@@ -8,6 +8,7 @@ import signal
 import sys
 
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.service.tenants import TenantRegistry
 
 
 def _serve_app(config: GatewayConfig, log_level: str) -> None:
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             engines = [{"name": f"engine{i}", "url": u, "model": model} for i, u in enumerate(args.engine)]
             pools = [{"name": "default", "role": "any", "engines": engines}]
             config = load_config(args.config, pools=pools, **overrides)
+        # says whether keys are required; keys named by environment variables must be there now
+        TenantRegistry.from_config(config.auth, config.listen.host)
     except ConfigError as exc:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2

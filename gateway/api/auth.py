@@ -16,7 +16,8 @@ def registry(request: Request) -> TenantRegistry:
     reg: TenantRegistry | None = getattr(state, "tenants", None)
     if reg is None:
         config = state.service.config
-        reg = state.tenants = TenantRegistry.from_config(config.auth, config.listen.host)
+        # `agentgw serve` announced the mode at start-up already
+        reg = state.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
     return reg
 
 

@@ -115,11 +115,15 @@ class TenantRegistry:
 
     @classmethod
     def from_config(
-        cls, auth: AuthConfig, listen_host: str = "127.0.0.1", environ: Mapping[str, str] | None = None
+        cls,
+        auth: AuthConfig,
+        listen_host: str = "127.0.0.1",
+        environ: Mapping[str, str] | None = None,
+        announce: bool = True,
     ) -> TenantRegistry:
         """Build from ``auth``; keys named by ``*_env`` are read from ``environ`` (default
-        ``os.environ``) and hashed. Logs the mode (never a key). Raises ConfigError for an
-        environment variable that is unset or empty."""
+        ``os.environ``) and hashed. Logs the mode when ``announce`` (never a key). Raises
+        ConfigError for an environment variable that is unset or empty."""
         env = os.environ if environ is None else environ
         secret = (
             _env(env, auth.cache_salt_secret_env, "auth.cache_salt_secret_env")
@@ -143,6 +147,8 @@ class TenantRegistry:
         if clash:
             raise ConfigError("auth: an admin key is also a tenant key")
         reg = cls(by_digest, admin)
+        if not announce:
+            return reg
         if reg.open:
             log.warning(
                 "auth: running WITHOUT API keys on %s: every caller is the anonymous tenant and "
