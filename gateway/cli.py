@@ -15,8 +15,9 @@ def _serve_app(config: GatewayConfig, log_level: str) -> None:
     import uvicorn
 
     from gateway.api.app import create_app
-    from gateway.api.server import uvicorn_config
+    from gateway.api.server import raise_fd_limit, uvicorn_config
 
+    raise_fd_limit()  # idle clients and upstream streams both hold descriptors
     # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
     uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level)).run()
 

@@ -4,6 +4,8 @@ reaches the app; `agentgw serve` and the test gateways both build it with :func:
 Limits (``server.*`` in config), each answered in the OpenAI error shape and the connection closed:
 
 - ``max_connections``: open client connections; the one past it gets a 503 with ``Retry-After``.
+  Capped at half the process's descriptor limit (``RLIMIT_NOFILE``; the other half is for
+  upstream connections, one per stream), so idle sockets can never starve ``/health``.
 - ``max_header_count`` / ``max_header_bytes``: request line plus headers -> 431 (414 when the
   request line alone is too long). Bytes are counted as they arrive, so an endless header is cut
   at the limit rather than buffered.
@@ -17,6 +19,8 @@ Limits (``server.*`` in config), each answered in the OpenAI error shape and the
 from __future__ import annotations
 
 import asyncio
+import logging
+import resource
 from typing import Any
 
 import uvicorn
@@ -51,8 +55,36 @@ def error_response(status: int, message: str, code: str, retry_after: int | None
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
+log = logging.getLogger("agentgw.server")
+
+
+def connection_cap(configured: int) -> int:
+    """``configured``, or half the soft descriptor limit when that is lower (at least 64)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return min(configured, max(64, soft // 2))
+
+
+def raise_fd_limit(target: int = 65536) -> int:
+    """Raise the soft descriptor limit towards the hard one (at most ``target``); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft
+
+
 def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with the limits above."""
+    max_connections = connection_cap(limits.max_connections)
+    if max_connections < limits.max_connections:
+        log.warning(
+            "server.max_connections %d capped at %d (half the descriptor limit)",
+            limits.max_connections,
+            max_connections,
+        )
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,7 +99,7 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
         # -- connection --------------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            if len(self.connections) > max_connections:
                 self._refuse(503, "the gateway has too many open connections", "too_many_connections", 1)
                 return
             self._arm_header_timer()

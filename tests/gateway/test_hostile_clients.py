@@ -246,3 +246,14 @@ def test_reshape_upstream_error_bodies() -> None:
     assert shaped(400, b"\xff\xfe")["message"]
     assert shaped(400, b"[1, 2]")["message"] == "[1,2]"
     assert len(shaped(400, b'{"detail": "' + b"x" * 10_000 + b'"}')["message"]) == 2003
+
+
+def test_connection_cap_never_exceeds_half_the_descriptor_limit() -> None:
+    import resource
+
+    from gateway.api.server import connection_cap
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    half = 10**9 if soft == resource.RLIM_INFINITY else max(64, soft // 2)
+    assert connection_cap(10) == min(10, half)
+    assert connection_cap(10**9) == half
