@@ -8,25 +8,18 @@ import signal
 import sys
 
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.service.tenants import TenantRegistry
 
 
 def _serve_app(config: GatewayConfig, log_level: str) -> None:
     import uvicorn
 
     from gateway.api.app import create_app
+    from gateway.api.server import raise_fd_limit, uvicorn_config
 
-    uvicorn.run(
-        create_app(config),
-        host=config.listen.host,
-        port=config.listen.port,
-        log_level=log_level,
-        access_log=False,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        proxy_headers=False,  # a measurable per-request cost; the gateway is not behind a proxy
-        server_header=False,
-    )
+    raise_fd_limit()  # idle clients and upstream streams both hold descriptors
+    # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
+    uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level)).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             engines = [{"name": f"engine{i}", "url": u, "model": model} for i, u in enumerate(args.engine)]
             pools = [{"name": "default", "role": "any", "engines": engines}]
             config = load_config(args.config, pools=pools, **overrides)
+        # says whether keys are required; keys named by environment variables must be there now
+        TenantRegistry.from_config(config.auth, config.listen.host)
     except ConfigError as exc:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2

@@ -70,6 +70,12 @@ class LimitsConfig(_Strict):
     readmit_after_successes: int = Field(1, ge=1)
     retry_after_s: int = Field(2, ge=0)
     """Value of the ``Retry-After`` header on a 503."""
+    panic_threshold: float = Field(0.0, ge=0, le=1)
+    """Envoy-style panic: when the fraction of a pool's engines passing probes is at or below
+    this, routing ignores probe failures in that pool (engines that refused a connection stay
+    out), so a slow-to-answer but live pool is never emptied. 0: only when none passes."""
+    max_session_body_bytes: int = Field(64 * 1024, gt=0)
+    """Body limit of the session API (``/v1/agent/sessions/...``)."""
 
 
 class ModelConfig(_Strict):
@@ -149,6 +155,93 @@ class SessionsConfig(_Strict):
     redis_url: str = "redis://127.0.0.1:6379/0"
     capacity: int = Field(100_000, gt=0)
     ttl_s: float = Field(3600.0, gt=0)
+    redis_timeout_s: float = Field(0.5, gt=0)
+    """Connect and command timeout of the Redis backend; past it the store runs degraded."""
+    redis_retry_s: float = Field(1.0, gt=0)
+    """While degraded, how often Redis is tried again (requests in between use the local view)."""
+    redis_max_conflicts: int = Field(16, ge=1)
+    """WATCH/MULTI attempts of one update before it gives up with a 503 (busy session)."""
+    local_capacity: int = Field(100_000, gt=0)
+    """Sessions kept in the replica's local view of a Redis store (used while Redis is down)."""
+
+
+def _sha256_digests(v: list[str]) -> list[str]:
+    for d in v:
+        if len(d) != 64 or any(c not in "0123456789abcdefABCDEF" for c in d):
+            raise ValueError("must be 64 hex characters (a SHA-256 digest)")
+    return [d.lower() for d in v]
+
+
+class TenantConfig(_Strict):
+    """A tenant: its API keys (stored hashed), its limits and the models it may use."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    key_sha256: list[str] = Field(default_factory=list)
+    """Hex SHA-256 digests of the tenant's keys (``printf %s KEY | sha256sum``)."""
+    key_env: list[str] = Field(default_factory=list)
+    """Environment variables holding keys in clear; read once at start-up, then kept hashed."""
+    models: list[str] | None = None
+    """Models this tenant may use (None: all)."""
+    requests_per_s: float | None = Field(None, gt=0)
+    tokens_per_s: float | None = Field(None, gt=0)
+    burst_s: float = Field(2.0, gt=0)
+    """Rate buckets hold ``rate * burst_s`` (at least one request's worth)."""
+    max_concurrent: int | None = Field(None, gt=0)
+    """Requests (streams) of this tenant in flight at once."""
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        return _sha256_digests(v)
+
+
+class AuthConfig(_Strict):
+    """API keys. With none configured every request is the anonymous tenant, which is only
+    allowed on a loopback address unless ``allow_unauthenticated`` says otherwise."""
+
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    admin_key_sha256: list[str] = Field(default_factory=list)
+    """Hex SHA-256 digests of admin keys (``/debug/*``, ``/metrics``, any tenant's sessions)."""
+    admin_key_env: list[str] = Field(default_factory=list)
+    cache_salt_secret_env: str | None = None
+    """Environment variable with a secret mixed into each tenant's ``cache_salt``."""
+    allow_unauthenticated: bool = False
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: list[str]) -> list[str]:
+        return _sha256_digests(v)
+
+
+class AdmissionConfig(_Strict):
+    """In-flight limits and the bounded wait queue in front of the engines."""
+
+    max_inflight: int = Field(4096, gt=0)
+    """Requests in flight through the gateway at once (all tenants)."""
+    max_queue: int = Field(1024, ge=0)
+    """Requests waiting for a global slot; past it a 503 with ``Retry-After``."""
+    queue_timeout_s: float = Field(30.0, gt=0)
+    """Longest wait for a slot before a 503."""
+    max_inflight_per_engine: int = Field(1024, gt=0)
+    max_queue_per_engine: int = Field(256, ge=0)
+    retry_after_s: int = Field(1, ge=0)
+
+
+class ServerConfig(_Strict):
+    """Limits the HTTP server enforces on clients (see gateway/api/server.py)."""
+
+    max_connections: int = Field(8192, gt=0)
+    """Open client connections; past it new ones get a 503 and are closed."""
+    max_header_count: int = Field(100, gt=0)
+    max_header_bytes: int = Field(64 * 1024, gt=0)
+    """Request line plus all headers."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """From the connection (or the end of the previous response) to the end of the headers."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """From the end of the headers to the end of the body."""
+    keep_alive_s: float = Field(30.0, gt=0)
+    """Idle time after which a keep-alive connection is closed."""
+    backlog: int = Field(2048, gt=0)
 
 
 class HintsConfig(_Strict):
@@ -200,6 +293,9 @@ class GatewayConfig(BaseSettings):
     hints: HintsConfig = HintsConfig()
     migration: MigrationConfig = MigrationConfig()
     analysis: AnalysisConfig = AnalysisConfig()
+    auth: AuthConfig = AuthConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    server: ServerConfig = ServerConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:
@@ -209,6 +305,20 @@ class GatewayConfig(BaseSettings):
         engines = [e.name for p in self.pools for e in p.engines]
         if len(engines) != len(set(engines)):
             raise ValueError(f"engine names must be unique across pools, got {engines}")
+        return self
+
+    @model_validator(mode="after")
+    def _auth_or_loopback(self) -> GatewayConfig:
+        a = self.auth
+        keyed = a.admin_key_sha256 or a.admin_key_env or any(t.key_sha256 or t.key_env for t in a.tenants)
+        if not keyed and not a.allow_unauthenticated and not is_loopback(self.listen.host):
+            raise ValueError(
+                f"auth: no API keys configured and listen.host {self.listen.host!r} is not loopback "
+                "(configure auth.tenants / auth.admin_key_sha256, or set auth.allow_unauthenticated)"
+            )
+        tenants = [t.name for t in a.tenants]
+        if len(tenants) != len(set(tenants)):
+            raise ValueError(f"tenant names must be unique, got {tenants}")
         return self
 
     @classmethod
@@ -221,6 +331,11 @@ class GatewayConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (env_settings, init_settings)
+
+
+def is_loopback(host: str) -> bool:
+    """``127.0.0.0/8``, ``::1`` or ``localhost``."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 class ConfigError(Exception):

@@ -11,11 +11,16 @@ import orjson
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    414: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "upstream_timeout",
@@ -85,3 +90,54 @@ def anthropic_error_body(status: int, message: str) -> bytes:
     return orjson.dumps(
         {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
     )
+
+
+def reshape_upstream_error(status: int, body: bytes) -> bytes:
+    """An engine's error body in the OpenAI shape.
+
+    Already OpenAI-shaped (``{"error": {"message": ...}}``): returned as is. vLLM/FastAPI's
+    ``{"detail": "..."}`` or ``{"detail": [{"loc": [...], "msg": ...}, ...]}``, a bare
+    ``{"message": ...}``, ``{"error": "text"}``, any other JSON or plain text: re-shaped, the
+    message kept (truncated to 2,000 characters) and ``param`` taken from a validation error's
+    location when there is one. Pure: no I/O, never raises.
+    """
+    try:
+        doc = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        doc = None
+        text = body.decode("utf-8", "replace").strip()
+    else:
+        text = ""
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return body
+        param: str | None = None
+        detail = doc.get("detail", doc.get("message", err))
+        if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+            first = detail[0]
+            loc = (
+                [str(p) for p in first.get("loc", ()) if p != "body"]
+                if isinstance(first.get("loc"), list)
+                else []
+            )
+            param = ".".join(loc) or None
+            text = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
+        elif isinstance(detail, str):
+            text = detail
+        elif detail is not None:
+            text = orjson.dumps(detail).decode()
+        else:
+            text = orjson.dumps(doc).decode()
+        return error_body(status, _clip(text) or _default(status), param, "upstream_error")
+    if doc is not None:
+        text = orjson.dumps(doc).decode()
+    return error_body(status, _clip(text) or _default(status), None, "upstream_error")
+
+
+def _clip(text: str, limit: int = 2000) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _default(status: int) -> str:
+    return f"engine answered {status}"

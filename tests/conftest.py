@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 
 from gateway.api.app import create_app
+from gateway.api.server import uvicorn_config
 from gateway.config import load_config
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
 from gateway.local.mooncake import MooncakeMaster
@@ -96,7 +97,7 @@ class ServedGateway:
         self.config = load_config(None, listen={"host": "127.0.0.1", "port": port}, **config)
         self.app = create_app(self.config)
         self.url = f"http://127.0.0.1:{port}"
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        cfg = uvicorn_config(self.app, self.config)  # the server limits `agentgw serve` runs with
         self.server = uvicorn.Server(cfg)
         self.loop: asyncio.AbstractEventLoop | None = None
         # the loop uvicorn would pick (uvloop when installed), as `agentgw serve` runs

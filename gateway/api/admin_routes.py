@@ -9,13 +9,13 @@ tool, documented in docs/operations.md, not part of the API contract (openapi/ag
 from __future__ import annotations
 
 import functools
-import ipaddress
 import time
 from importlib import resources
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from gateway.api.auth import require_admin, tenant_of
 from gateway.errors import ApiError
 from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
 from gateway.service.gateway import GatewayService
@@ -37,41 +37,35 @@ async def health() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     pools = _svc(request).cluster.ready()
     ok = bool(pools) and all(pools.values())
-    return JSONResponse({"ready": ok, "pools": pools}, status_code=200 if ok else 503)
+    degraded = await _svc(request).sessions.probe()  # a shared store down: routing on the local view
+    return JSONResponse({"ready": ok, "pools": pools, "degraded": degraded}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics (admin key)", dependencies=[Depends(require_admin)])
 async def metrics(request: Request) -> Response:
     svc = _svc(request)
     for name, s in svc.cluster.engines.items():
         svc.metrics.engine_healthy.labels(name).set(1 if s.healthy else 0)
         svc.metrics.inflight.labels(name).set(s.inflight)
+    for pool, panic in svc.cluster.panicking().items():
+        svc.metrics.engine_panic.labels(pool).set(1 if panic else 0)
+    svc.metrics.session_store_degraded.set(1 if await svc.sessions.probe() else 0)
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/models", summary="The models served by healthy engines, in OpenAI's shape")
 async def models(request: Request) -> dict[str, object]:
     now = int(time.time())
+    tenant = tenant_of(request)
     data = [
         {"id": m, "object": "model", "created": now, "owned_by": "agentgw"}
         for m in _svc(request).cluster.models()
+        if tenant.allows_model(m)
     ]
     return {"object": "list", "data": data}
 
 
 # -- the operator dashboard ----------------------------------------------------------------------
-def require_admin(request: Request) -> None:
-    """The admin check of every operator route. Today: loopback clients only (no admin key is
-    configured yet); an admin key, when configured, is to be checked here."""
-    host = request.client.host if request.client else ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ApiError(403, "the dashboard is served to loopback clients only", None, "forbidden")
-
-
 _ASSETS = {
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",

@@ -5,7 +5,11 @@
   decision with its reasons.
 - ``DELETE /v1/agent/sessions/{id}``: the session is over; its state is released.
 - ``POST /debug/route``: what the router would decide for a request (per-scorer breakdown), with
-  no side effect. ``?endpoint=completions`` for a completions body (default chat).
+  no side effect. ``?endpoint=completions`` for a completions body (default chat). Admin only.
+
+A tenant's key addresses only its own sessions (ids are namespaced per tenant, see
+gateway/service/tenants.py); an admin key addresses stored ids directly. Bodies are bounded:
+``limits.max_session_body_bytes`` for the session API, ``limits.max_body_bytes`` for the dry run.
 """
 
 from __future__ import annotations
@@ -15,16 +19,18 @@ from functools import partial
 from typing import Any, Literal
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from gateway.api import anthropic_routes, responses_routes
+from gateway.api.auth import read_body, require_admin, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
-from gateway.core.hints import HintError, parse_hints
+from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
 from gateway.protocol import ParsedRequest, parse_body
 from gateway.service.gateway import GatewayService
+from gateway.service.tenants import Tenant
 
 router = APIRouter()
 
@@ -34,8 +40,18 @@ def _svc(request: Request) -> GatewayService:
     return svc
 
 
+def _stored_id(request: Request, session_id: str) -> tuple[Tenant, str]:
+    """The caller's tenant and the id its ``session_id`` is stored under (400 for a bad id)."""
+    if not session_id or len(session_id) > MAX_ID_LEN or not session_id.isprintable():
+        raise ApiError(
+            400, f"session_id must be 1-{MAX_ID_LEN} printable characters", "session_id", "invalid_session_id"
+        )
+    tenant = tenant_of(request)
+    return tenant, tenant.namespace(session_id)
+
+
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await read_body(request, _svc(request).config.limits.max_session_body_bytes)
     try:
         body = orjson.loads(raw or b"{}")
     except orjson.JSONDecodeError as exc:
@@ -45,10 +61,11 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-def _session_json(svc: GatewayService, rec: Any) -> dict[str, Any]:
+def _session_json(svc: GatewayService, rec: Any, tenant: Tenant, session_id: str) -> dict[str, Any]:
     matches = svc.session_matches(rec)
+    parent = tenant.local_id(rec.parent) if rec.parent is not None else None
     return {
-        "id": rec.session_id,
+        "id": session_id,
         "object": "agent.session",
         "home_engine": rec.home,
         "pool": rec.pool,
@@ -56,8 +73,8 @@ def _session_json(svc: GatewayService, rec: Any) -> dict[str, Any]:
         "context_tokens": rec.context_tokens,
         "estimated_cached_tokens": rec.cached_tokens_est,
         "cached_blocks_by_engine": {e: m.blocks for e, m in matches.items()},
-        "parent_session_id": rec.parent,
-        "children": rec.children,
+        "parent_session_id": parent,
+        "children": [c for c in map(tenant.local_id, rec.children) if c is not None],
         "expected_gap_s": rec.expected_gap(),
         "inflight": rec.inflight,
         "last_activity": rec.last_activity,
@@ -69,24 +86,26 @@ def _session_json(svc: GatewayService, rec: Any) -> dict[str, Any]:
 @router.post("/v1/agent/sessions/{session_id}/hints", summary="Send hints between turns")
 async def post_hints(session_id: str, request: Request) -> JSONResponse:
     svc = _svc(request)
+    tenant, sid = _stored_id(request, session_id)
     body = await _json_object(request)
     try:
         hints = parse_hints({}, {"agent_hints": body})
     except HintError as exc:
         raise ApiError(400, str(exc), exc.field.removeprefix("agent_hints."), "invalid_hint") from None
     if hints.session_end:
-        rec = await svc.end_session(session_id)
+        rec = await svc.end_session(sid)
         return JSONResponse(
             {"id": session_id, "object": "agent.session", "ended": True, "existed": rec is not None}
         )
-    rec = await svc.update_hints(session_id, hints)
-    return JSONResponse(_session_json(svc, rec))
+    rec = await svc.update_hints(sid, hints)
+    return JSONResponse(_session_json(svc, rec, tenant, session_id))
 
 
 @router.get("/v1/agent/sessions/{session_id}", summary="A session's placement and last decision")
 async def get_session(session_id: str, request: Request) -> JSONResponse:
     svc = _svc(request)
-    rec = await svc.sessions.get(session_id, svc.clock())
+    tenant, sid = _stored_id(request, session_id)
+    rec = await svc.sessions.get(sid, svc.clock())
     if rec is None:
         raise ApiError(
             404,
@@ -94,12 +113,13 @@ async def get_session(session_id: str, request: Request) -> JSONResponse:
             "session_id",
             "session_not_found",
         )
-    return JSONResponse(_session_json(svc, rec))
+    return JSONResponse(_session_json(svc, rec, tenant, session_id))
 
 
 @router.delete("/v1/agent/sessions/{session_id}", summary="End a session and release its state")
 async def delete_session(session_id: str, request: Request) -> JSONResponse:
-    rec = await _svc(request).end_session(session_id)
+    _tenant, sid = _stored_id(request, session_id)
+    rec = await _svc(request).end_session(sid)
     if rec is None:
         raise ApiError(404, f"session '{session_id}' is not known", "session_id", "session_not_found")
     return JSONResponse({"id": session_id, "object": "agent.session", "deleted": True})
@@ -113,13 +133,17 @@ _PARSERS: dict[str, Callable[[bytes], ParsedRequest]] = {
 }
 
 
-@router.post("/debug/route", summary="Dry-run routing with the per-scorer breakdown")
+@router.post(
+    "/debug/route",
+    summary="Dry-run routing with the per-scorer breakdown (admin key)",
+    dependencies=[Depends(require_admin)],
+)
 async def debug_route(
     request: Request,
     endpoint: Literal["chat", "completions", "messages", "responses"] = Query("chat"),
 ) -> JSONResponse:
     svc = _svc(request)
-    raw = await request.body()
+    raw = await read_body(request, svc.config.limits.max_body_bytes)
     parsed = _PARSERS[endpoint](raw)
     try:
         a = await svc.analyze(parsed, request.headers.raw, dry_run=True)

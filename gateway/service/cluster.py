@@ -3,7 +3,13 @@
 Active health: every ``health_interval_s`` each engine's ``/health`` is probed; after
 ``eject_after_failures`` consecutive failures it is ejected (routing skips it), after
 ``readmit_after_successes`` consecutive successes it is re-admitted. Passive health: a connection
-failure seen by the proxy counts as a failed probe. Load: ``/metrics`` is scraped every
+failure seen by the proxy counts as a failed probe.
+
+Panic (as Envoy's panic threshold): when the fraction of a pool's engines passing probes is at
+or below ``limits.panic_threshold`` (default 0: none passes), the pool is *panicking* and its
+views report every engine that did not refuse a connection as healthy, so a pool whose live
+engines are merely slow to answer probes under load keeps serving instead of answering 502/503.
+Engines that refused a connection (nothing listens) stay out. Load: ``/metrics`` is scraped every
 ``metrics_interval_s`` for ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc``; the gateway's own in-flight count is kept exactly.
 """
@@ -37,6 +43,8 @@ class EngineState:
     healthy: bool = True
     failures: int = 0
     successes: int = 0
+    refused: bool = False
+    """The last failure was a refused connection (the engine is down, not merely slow)."""
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -48,13 +56,13 @@ class EngineState:
     def name(self) -> str:
         return self.config.name
 
-    def view(self) -> EngineView:
+    def view(self, panic: bool = False) -> EngineView:
         return EngineView(
             name=self.config.name,
             pool=self.pool,
             role=self.role,
             models=self.models,
-            healthy=self.healthy,
+            healthy=self.healthy or (panic and not self.refused),
             running=self.running,
             waiting=self.waiting,
             kv_usage=self.kv_usage,
@@ -106,11 +114,27 @@ class Cluster:
     def views(self) -> tuple[EngineView, ...]:
         """The routing snapshot's engine list; rebuilt only after something changed."""
         if self._views is None:
-            self._views = tuple(s.view() for s in self.engines.values())
+            panic = self.panicking()
+            self._views = tuple(s.view(panic[s.pool]) for s in self.engines.values())
         return self._views
 
+    def panicking(self) -> dict[str, bool]:
+        """Per pool: is it in panic (too few engines pass probes, so health is ignored)?"""
+        threshold = self._config.limits.panic_threshold
+        out = {}
+        for pool, names in self.pools.items():
+            healthy = sum(1 for n in names if self.engines[n].healthy)
+            out[pool] = healthy / len(names) <= threshold
+        return out
+
+    def routable(self, name: str) -> bool:
+        """May a request (or a retry) be sent to ``name`` now? Healthy, or in a panicking pool
+        and not known to refuse connections."""
+        s = self.engines[name]
+        return s.healthy or (not s.refused and self.panicking()[s.pool])
+
     def models(self) -> list[str]:
-        return sorted({m for s in self.engines.values() if s.healthy for m in s.models})
+        return sorted({m for v in self.views() if v.healthy for m in v.models})
 
     def ready(self) -> dict[str, bool]:
         """Per pool: does it have a healthy engine?"""
@@ -128,17 +152,20 @@ class Cluster:
         self.engines[name].inflight -= 1
         self._changed()
 
-    def record_probe(self, name: str, ok: bool) -> None:
+    def record_probe(self, name: str, ok: bool, refused: bool = False) -> None:
         s = self.engines[name]
         limits = self._config.limits
         if ok:
-            s.failures, s.successes = 0, s.successes + 1
+            s.failures, s.successes, s.refused = 0, s.successes + 1, False
             if not s.healthy and s.successes >= limits.readmit_after_successes:
                 s.healthy = True
                 log.warning("engine %s re-admitted", name)
                 self._changed()
         else:
             s.successes, s.failures = 0, s.failures + 1
+            if s.refused != refused:
+                s.refused = refused
+                self._changed()
             if s.healthy and s.failures >= limits.eject_after_failures:
                 s.healthy = False
                 log.warning("engine %s ejected after %d failed probes", name, s.failures)
@@ -148,6 +175,8 @@ class Cluster:
         """Passive health: a refused connection ejects at once (no need to wait for probes)."""
         s = self.engines[name]
         s.successes = 0
+        s.refused = True
+        self._changed()
         s.failures = max(s.failures + 1, self._config.limits.eject_after_failures)
         if s.healthy:
             s.healthy = False
@@ -163,13 +192,16 @@ class Cluster:
             r = await self._client.get(
                 f"{s.config.url}/health", timeout=self._config.timeouts.health_timeout_s
             )
-            ok = r.status_code == 200
+            ok, refused = r.status_code == 200, False
+        except httpx.ConnectError:
+            ok, refused = False, True
         except httpx.HTTPError:
-            ok = False
-        self.record_probe(s.name, ok)
+            ok, refused = False, False
+        self.record_probe(s.name, ok, refused)
 
     async def scrape_once(self) -> None:
-        await asyncio.gather(*(self._scrape(s) for s in self.engines.values() if s.healthy))
+        panic = self.panicking()
+        await asyncio.gather(*(self._scrape(s) for s in self.engines.values() if s.healthy or panic[s.pool]))
 
     async def _scrape(self, s: EngineState) -> None:
         try:

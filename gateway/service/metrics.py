@@ -80,6 +80,40 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.admission_rejections = Counter(
+            "agentgw_admission_rejections",
+            "Requests refused by admission control, by limit (429 tenant_*, 503 *_busy)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "agentgw_admission_waiting", "Requests waiting for a global admission slot", registry=r
+        )
+        self.admission_inflight = Gauge(
+            "agentgw_admission_inflight", "Requests holding a global admission slot", registry=r
+        )
+        self.session_store_degraded = Gauge(
+            "agentgw_session_store_degraded",
+            "1 while the shared session store (Redis) is unreachable and the local view is used",
+            registry=r,
+        )
+        self.session_store_fallbacks = Counter(
+            "agentgw_session_store_fallbacks",
+            "Session-store operations served from the local view because Redis failed",
+            ["op"],
+            registry=r,
+        )
+        self.session_store_resyncs = Counter(
+            "agentgw_session_store_resyncs",
+            "Times the local view was written back to Redis after an outage",
+            registry=r,
+        )
+        self.engine_panic = Gauge(
+            "agentgw_pool_panic",
+            "1 while every engine of the pool fails probes and routing ignores health",
+            ["pool"],
+            registry=r,
+        )
 
         self.analysis_skipped = Counter(
             "agentgw_analysis_skipped",

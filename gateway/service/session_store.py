@@ -8,20 +8,50 @@ one turn, the placement of the next, on different replicas) never lose each othe
 Memory: the core :class:`~gateway.core.sessions.SessionTable` (capacity + TTL, LRU).
 Redis: one JSON value per session under ``<prefix>s:<id>`` with the TTL as its expiry, and a
 sorted set ``<prefix>lru`` (score = last activity) trimmed to ``capacity`` on every write;
-``update`` is an optimistic transaction (WATCH / MULTI, retried on conflict).
+``update`` is an optimistic transaction (WATCH / MULTI, retried on conflict at most
+``max_conflicts`` times, then :class:`SessionStoreBusy`, a 503 with ``Retry-After``).
+
+Redis outage: every record read or written through Redis is also kept in a bounded local view
+(a :class:`SessionTable`). When a Redis call fails (connection refused, timeout) the store turns
+*degraded*: reads and writes use the local view, the ids written or deleted meanwhile are
+remembered (bounded), and Redis is tried again at most every ``retry_s``. When it answers, the
+remembered writes are pushed back (the newer ``last_activity`` wins against what another
+replica wrote meanwhile), deletions are replayed, and the store leaves degraded mode. Callers
+never see a Redis error; ``degraded`` and the metrics say what is happening.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections.abc import Callable
-from typing import Protocol
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from gateway.core.sessions import SessionRecord, SessionTable
+from gateway.errors import ApiError
+from gateway.service.metrics import GatewayMetrics
+
+log = logging.getLogger("agentgw.sessions")
+T = TypeVar("T")
+OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+class SessionStoreBusy(ApiError):
+    """An update kept conflicting with concurrent writers (503 with ``Retry-After``)."""
+
+    __slots__ = ()
+
 
 Mutation = Callable[[SessionRecord | None], SessionRecord | None]
 
@@ -38,6 +68,10 @@ class SessionStore(Protocol):
     async def recent(self, limit: int, now: float) -> list[SessionRecord]: ...
 
     async def close(self) -> None: ...
+
+    async def probe(self) -> bool:
+        """Is the store degraded (serving from a local view)? May try to recover first."""
+        ...
 
 
 MAX_RECENT_LISTING = 1000
@@ -74,30 +108,203 @@ class MemorySessionStore:
     async def close(self) -> None:
         return None
 
+    async def probe(self) -> bool:
+        return False
+
 
 class RedisSessionStore:
-    def __init__(self, url: str, capacity: int, ttl_s: float, prefix: str = "agentgw:") -> None:
-        self.redis = aioredis.from_url(url)
+    def __init__(
+        self,
+        url: str,
+        capacity: int,
+        ttl_s: float,
+        prefix: str = "agentgw:",
+        *,
+        timeout_s: float = 0.5,
+        retry_s: float = 1.0,
+        max_conflicts: int = 16,
+        local_capacity: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.redis = aioredis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # an outage is handled here, not by waiting it out
+        )
         self.capacity = capacity
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.prefix = prefix
+        self.retry_s = retry_s
+        self.max_conflicts = max_conflicts
+        self.clock = clock
+        self.metrics = metrics
+        self.local = SessionTable(local_capacity or capacity, ttl_s)
+        self.degraded = False
+        self.fallbacks = 0
+        self.resyncs = 0
+        self._retry_at = 0.0
+        self._dirty: OrderedDict[str, SessionRecord | None] = OrderedDict()  # None: deleted
+        self._recovering = asyncio.Lock()
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}s:{session_id}"
 
+    # -- public operations: Redis when it answers, the local view when it does not --------------
     async def get(self, session_id: str, now: float) -> SessionRecord | None:
-        raw = await self.redis.get(self._key(session_id))
-        if raw is None:
-            return None
-        return SessionRecord.from_dict(orjson.loads(raw))
+        async def remote() -> SessionRecord | None:
+            rec = await self._get(session_id)
+            if rec is None:
+                self.local.remove(session_id)
+            else:
+                self.local.put(rec)
+            return rec
+
+        async def local() -> SessionRecord | None:
+            return self.local.get(session_id, now)
+
+        return await self._either("get", remote, local)
 
     async def put(self, rec: SessionRecord) -> None:
         await self.update(rec.session_id, rec.last_activity, lambda _old: rec)
 
     async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
+        async def remote() -> SessionRecord | None:
+            rec = await self._update(session_id, fn)
+            if rec is not None:
+                self.local.put(rec)
+            return rec
+
+        async def local() -> SessionRecord | None:
+            rec = fn(self.local.get(session_id, now))
+            if rec is not None:
+                self.local.put(rec)
+                self._mark(session_id, rec)
+            return rec
+
+        return await self._either("update", remote, local)
+
+    async def delete(self, session_id: str) -> SessionRecord | None:
+        async def remote() -> SessionRecord | None:
+            rec = await self._get(session_id)
+            await self.redis.delete(self._key(session_id))
+            await self.redis.zrem(f"{self.prefix}lru", session_id)
+            local = self.local.remove(session_id)
+            return rec or local
+
+        async def local() -> SessionRecord | None:
+            self._mark(session_id, None)
+            return self.local.remove(session_id)
+
+        return await self._either("delete", remote, local)
+
+    async def recent(self, limit: int, now: float) -> list[SessionRecord]:
+        """Up to ``limit`` (at most MAX_RECENT_LISTING) records, most recently active first: the
+        top of the LRU sorted set, then one MGET (expired keys read as missing and are skipped).
+        While Redis is down: this replica's local view."""
+        n = max(0, min(limit, MAX_RECENT_LISTING))
+        if n == 0:
+            return []
+
+        async def remote() -> list[SessionRecord]:
+            ids = await self.redis.zrevrange(f"{self.prefix}lru", 0, n - 1)
+            if not ids:
+                return []
+            names = [i.decode() if isinstance(i, bytes) else i for i in ids]
+            raws = await self.redis.mget([self._key(i) for i in names])
+            return [SessionRecord.from_dict(orjson.loads(raw)) for raw in raws if raw is not None]
+
+        async def local() -> list[SessionRecord]:
+            newest = reversed(list(self.local._records.values()))
+            ttl = self.local.ttl_s
+            return list(itertools.islice((r for r in newest if now - r.last_activity <= ttl), n))
+
+        return await self._either("recent", remote, local)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def probe(self) -> bool:
+        """Readiness hook: while degraded, try to resynchronise (at most every ``retry_s``).
+        Returns whether the store is (still) degraded."""
+        if self.degraded:
+            await self._try_recover()
+        return self.degraded
+
+    # -- degraded mode ------------------------------------------------------------------------
+    async def _either(
+        self, op: str, remote: Callable[[], Awaitable[T]], local: Callable[[], Awaitable[T]]
+    ) -> T:
+        if self.degraded and not await self._try_recover():
+            return await self._fallback(op, local)
+        try:
+            return await remote()
+        except OUTAGE_ERRORS as exc:
+            self._enter_degraded(exc)
+            return await self._fallback(op, local)
+
+    async def _fallback(self, op: str, local: Callable[[], Awaitable[T]]) -> T:
+        self.fallbacks += 1
+        if self.metrics is not None:
+            self.metrics.session_store_fallbacks.labels(op).inc()
+        return await local()
+
+    def _enter_degraded(self, exc: BaseException) -> None:
+        self._retry_at = self.clock() + self.retry_s
+        if not self.degraded:
+            self.degraded = True
+            log.warning(
+                "session store: Redis unreachable (%s); routing on the local view", type(exc).__name__
+            )
+            if self.metrics is not None:
+                self.metrics.session_store_degraded.set(1)
+
+    def _mark(self, session_id: str, rec: SessionRecord | None) -> None:
+        self._dirty[session_id] = rec
+        self._dirty.move_to_end(session_id)
+        while len(self._dirty) > self.local.capacity:
+            self._dirty.popitem(last=False)
+
+    async def _try_recover(self) -> bool:
+        """While degraded: at most every ``retry_s``, push the local writes back to Redis.
+        True when Redis is back (and the store no longer degraded)."""
+        if self.clock() < self._retry_at or self._recovering.locked():
+            return False
+        async with self._recovering:
+            try:
+                await self.redis.ping()
+                while self._dirty:
+                    session_id, rec = next(iter(self._dirty.items()))
+                    if rec is not None:
+                        await self._update(session_id, _newer(rec))
+                    else:
+                        await self.redis.delete(self._key(session_id))
+                        await self.redis.zrem(f"{self.prefix}lru", session_id)
+                    if session_id in self._dirty and self._dirty[session_id] is rec:
+                        del self._dirty[session_id]
+            except (*OUTAGE_ERRORS, SessionStoreBusy) as exc:
+                self._enter_degraded(exc)
+                return False
+            self.degraded = False
+            self.resyncs += 1
+            log.warning("session store: Redis is back; local writes resynchronised")
+            if self.metrics is not None:
+                self.metrics.session_store_degraded.set(0)
+                self.metrics.session_store_resyncs.inc()
+            return True
+
+    # -- Redis ----------------------------------------------------------------------------------
+    async def _get(self, session_id: str) -> SessionRecord | None:
+        raw = await self.redis.get(self._key(session_id))
+        if raw is None:
+            return None
+        return SessionRecord.from_dict(orjson.loads(raw))
+
+    async def _update(self, session_id: str, fn: Mutation) -> SessionRecord | None:
         key, lru = self._key(session_id), f"{self.prefix}lru"
         async with self.redis.pipeline(transaction=True) as p:
-            while True:
+            for _attempt in range(self.max_conflicts):
                 try:
                     await p.watch(key)
                     raw = await p.get(key)
@@ -113,6 +320,15 @@ class RedisSessionStore:
                     break
                 except WatchError:
                     continue
+            else:
+                log.warning("session store: update of a session conflicted %d times", self.max_conflicts)
+                raise SessionStoreBusy(
+                    503,
+                    "the session is being updated concurrently; retry",
+                    "session_id",
+                    "session_busy",
+                    1,
+                )
         await self._trim(int(res[-1]))
         return rec
 
@@ -126,24 +342,13 @@ class RedisSessionStore:
                     *(self._key(m.decode() if isinstance(m, bytes) else m) for m, _ in old)
                 )
 
-    async def delete(self, session_id: str) -> SessionRecord | None:
-        rec = await self.get(session_id, 0.0)
-        await self.redis.delete(self._key(session_id))
-        await self.redis.zrem(f"{self.prefix}lru", session_id)
+
+def _newer(rec: SessionRecord) -> Mutation:
+    """Resync merge: write the local record unless Redis holds a more recent one."""
+
+    def merge(remote: SessionRecord | None) -> SessionRecord | None:
+        if remote is not None and remote.last_activity > rec.last_activity:
+            return None
         return rec
 
-    async def recent(self, limit: int, now: float) -> list[SessionRecord]:
-        """Up to ``limit`` (at most MAX_RECENT_LISTING) records, most recently active first: the
-        top of the LRU sorted set, then one MGET (expired keys read as missing and are skipped)."""
-        n = max(0, min(limit, MAX_RECENT_LISTING))
-        if n == 0:
-            return []
-        ids = await self.redis.zrevrange(f"{self.prefix}lru", 0, n - 1)
-        if not ids:
-            return []
-        names = [i.decode() if isinstance(i, bytes) else i for i in ids]
-        raws = await self.redis.mget([self._key(i) for i in names])
-        return [SessionRecord.from_dict(orjson.loads(raw)) for raw in raws if raw is not None]
-
-    async def close(self) -> None:
-        await self.redis.aclose()
+    return merge

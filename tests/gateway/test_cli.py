@@ -95,3 +95,21 @@ def test_invalid_config_fails_at_start_naming_the_key(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert "invalid config key 'pools.0.role'" in r.stderr
+
+
+def test_missing_key_environment_variable_fails_at_start(tmp_path: Path) -> None:
+    cfg = tmp_path / "keys.yaml"
+    cfg.write_text(
+        "pools:\n  - name: p\n    engines: [{name: e, url: 'http://127.0.0.1:1', model: m}]\n"
+        "auth:\n  tenants: [{name: acme, key_env: [AGENTGW_TEST_UNSET_KEY]}]\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "AGENTGW_TEST_UNSET_KEY"}
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 2
+    assert "'auth.tenants.0.key_env': environment variable AGENTGW_TEST_UNSET_KEY is not set" in r.stderr

@@ -83,3 +83,69 @@ async def test_scrape_reads_vllm_load(cluster: Cluster) -> None:
 
 def test_parse_gauges_ignores_other_metrics() -> None:
     assert parse_vllm_gauges(METRICS) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25}
+
+
+def _panic_cluster(state: dict[str, str], threshold: float = 0.0) -> Cluster:
+    """Engines answer probes ("ok"), time out ("slow": alive but loaded) or refuse ("down")."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        mode = state[request.url.host]
+        if mode == "down":
+            raise httpx.ConnectError("refused", request=request)
+        if mode == "slow":
+            raise httpx.ReadTimeout("probe timed out", request=request)
+        return httpx.Response(200)
+
+    cfg = {
+        **CFG,
+        "limits": {"eject_after_failures": 2, "readmit_after_successes": 1, "panic_threshold": threshold},
+    }
+    return Cluster(load_config(None, **cfg), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+def _route(cluster: Cluster) -> str:
+    from gateway.core.router import Router, RoutingParams
+    from gateway.core.types import RouteRequest, Snapshot
+
+    router = Router(RoutingParams(profile="least_loaded"))
+    return router.route(
+        RouteRequest(model="m", prompt_tokens=10, block_size=16), Snapshot(cluster.views())
+    ).engine
+
+
+async def test_panic_keeps_a_pool_of_live_but_slow_engines_in_service() -> None:
+    state = {"a": "slow", "b": "slow"}
+    cluster = _panic_cluster(state)
+    for _ in range(2):
+        await cluster.probe_once()
+    assert not cluster.engines["a"].healthy and not cluster.engines["b"].healthy  # both ejected
+    assert cluster.panicking() == {"p": True}
+    assert all(v.healthy for v in cluster.views()) and cluster.routable("a") and cluster.routable("b")
+    assert _route(cluster) in {"a", "b"}  # used to be NoEngine -> 502/503
+    assert cluster.models() == ["m"]
+    state["a"] = "down"  # refused connections: really gone, stays out even in panic
+    await cluster.probe_once()
+    assert [v.name for v in cluster.views() if v.healthy] == ["b"] and not cluster.routable("a")
+    assert _route(cluster) == "b"
+    state["b"] = "ok"  # one engine passes again: panic over, health is obeyed
+    await cluster.probe_once()
+    assert cluster.panicking() == {"p": False}
+    assert [v.name for v in cluster.views() if v.healthy] == ["b"]
+
+
+async def test_panic_threshold_as_a_fraction_of_the_pool() -> None:
+    state = {"a": "slow", "b": "ok"}
+    strict, lenient = _panic_cluster(dict(state)), _panic_cluster(dict(state), threshold=0.5)
+    for c in (strict, lenient):
+        for _ in range(2):
+            await c.probe_once()
+    assert strict.panicking() == {"p": False} and [v.name for v in strict.views() if v.healthy] == ["b"]
+    assert lenient.panicking() == {"p": True} and all(v.healthy for v in lenient.views())
+
+
+async def test_passive_connect_failure_marks_the_engine_refused() -> None:
+    cluster = _panic_cluster({"a": "ok", "b": "ok"})
+    cluster.record_connect_failure("a")
+    cluster.record_connect_failure("b")
+    assert cluster.panicking() == {"p": True}
+    assert not any(v.healthy for v in cluster.views())  # nothing listens: no panic routing to them

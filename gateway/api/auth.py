@@ -1,0 +1,51 @@
+"""Edge helpers shared by the FastAPI routes: the caller's tenant, the admin guard, and reading a
+request body within a limit (413 past it, counted as it streams in)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from gateway.errors import ApiError
+from gateway.service.tenants import Tenant, TenantRegistry
+
+
+def registry(request: Request) -> TenantRegistry:
+    """The app's tenant registry (``app.state.tenants``, set by the lifespan; built from the
+    service's config on first use when the lifespan did not)."""
+    state = request.app.state
+    reg: TenantRegistry | None = getattr(state, "tenants", None)
+    if reg is None:
+        config = state.service.config
+        # `agentgw serve` announced the mode at start-up already
+        reg = state.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
+    return reg
+
+
+def tenant_of(request: Request) -> Tenant:
+    """The caller's tenant; 401 for a missing or unknown key."""
+    return registry(request).authenticate(request.headers.raw)
+
+
+async def require_admin(request: Request) -> None:
+    """FastAPI dependency: 401 without a valid key, 403 with a tenant's (non-admin) key."""
+    registry(request).require_admin(request.headers.raw)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError(400, "content-length is not a number", None, "invalid_request") from None
+        if size > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,223 @@
+"""The HTTP server (uvicorn + httptools) and the limits it enforces on clients before a request
+reaches the app; `agentgw serve` and the test gateways both build it with :func:`uvicorn_config`.
+
+Limits (``server.*`` in config), each answered in the OpenAI error shape and the connection closed:
+
+- ``max_connections``: open client connections; the one past it gets a 503 with ``Retry-After``.
+  Capped at half the process's descriptor limit (``RLIMIT_NOFILE``; the other half is for
+  upstream connections, one per stream), so idle sockets can never starve ``/health``.
+- ``max_header_count`` / ``max_header_bytes``: request line plus headers -> 431 (414 when the
+  request line alone is too long). Bytes are counted as they arrive, so an endless header is cut
+  at the limit rather than buffered.
+- ``header_timeout_s``: from the connection (or the first byte of a keep-alive request) to the
+  end of its headers -> 408 (slowloris).
+- ``body_timeout_s``: from the end of the headers to the end of the body -> 408, and the app sees
+  the client as disconnected.
+- ``keep_alive_s``: an idle keep-alive connection is closed (uvicorn's own timer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import GatewayConfig, ServerConfig
+from gateway.errors import error_body
+
+_REASONS = {
+    408: "Request Timeout",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+class _Refused(Exception):
+    """Stops the parser after a limit was hit (the answer is already written)."""
+
+
+def error_response(status: int, message: str, code: str, retry_after: int | None = None) -> bytes:
+    """A complete HTTP/1.1 response with an OpenAI-shaped body that closes the connection."""
+    body = error_body(status, message, None, code)
+    head = [
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
+    if retry_after is not None:
+        head.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+log = logging.getLogger("agentgw.server")
+
+
+def connection_cap(configured: int) -> int:
+    """``configured``, or half the soft descriptor limit when that is lower (at least 64)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return min(configured, max(64, soft // 2))
+
+
+def raise_fd_limit(target: int = 65536) -> int:
+    """Raise the soft descriptor limit towards the hard one (at most ``target``); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(hard, target)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        return want
+    return soft
+
+
+def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the limits above."""
+    max_connections = connection_cap(limits.max_connections)
+    if max_connections < limits.max_connections:
+        log.warning(
+            "server.max_connections %d capped at %d (half the descriptor limit)",
+            limits.max_connections,
+            max_connections,
+        )
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._refused = False
+            self._in_headers = True
+            self._header_bytes = 0
+            self._header_count = 0
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
+
+        # -- connection --------------------------------------------------------------------
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self._refuse(503, "the gateway has too many open connections", "too_many_connections", 1)
+                return
+            self._arm_header_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_timers()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._in_headers:
+                self._header_bytes += len(data)
+            super().data_received(data)
+            # still inside the headers after all that: the headers alone are that long
+            if not self._refused and self._in_headers and self._header_bytes > limits.max_header_bytes:
+                self._refuse(
+                    431, f"request headers exceed {limits.max_header_bytes} bytes", "headers_too_large"
+                )
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._refused:  # a limit already answered; the parser error is ours
+                super().send_400_response(msg)
+
+        # -- parser callbacks --------------------------------------------------------------
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_headers = True
+            self._header_count = 0
+            if self._header_timer is None:
+                self._arm_header_timer()
+
+        def on_url(self, url: bytes) -> None:
+            if len(self.url) + len(url) > limits.max_header_bytes:
+                self._refuse(414, f"request line exceeds {limits.max_header_bytes} bytes", "url_too_long")
+                raise _Refused
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_count += 1
+            if self._header_count > limits.max_header_count:
+                self._refuse(431, f"more than {limits.max_header_count} request headers", "too_many_headers")
+                raise _Refused
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._header_bytes = 0
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().on_headers_complete()
+            self._body_timer = self.loop.call_later(limits.body_timeout_s, self._body_timeout)
+
+        def on_message_complete(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+            self._in_headers = True  # what follows on this connection is the next request's head
+            super().on_message_complete()
+
+        # -- limits ------------------------------------------------------------------------
+        def _arm_header_timer(self) -> None:
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self._in_headers and not self.transport.is_closing():
+                self._refuse(
+                    408,
+                    f"request headers not received within {limits.header_timeout_s:g} s",
+                    "header_timeout",
+                )
+
+        def _body_timeout(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if cycle is None or self.transport.is_closing():
+                return
+            if not cycle.response_started:
+                self._refuse(
+                    408, f"request body not received within {limits.body_timeout_s:g} s", "body_timeout"
+                )
+            else:
+                self._refused = True
+                self.transport.close()
+
+        def _refuse(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+            self._refused = True
+            self._cancel_timers()
+            if not self.transport.is_closing():
+                self.transport.write(error_response(status, message, code, retry_after))
+                self.transport.close()
+
+        def _cancel_timers(self) -> None:
+            for timer in (self._header_timer, self._body_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._header_timer = self._body_timer = None
+
+    return GuardedHttpToolsProtocol
+
+
+def uvicorn_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn settings `agentgw serve` runs with (``overrides`` for tests: log level...)."""
+    s = config.server
+    kwargs: dict[str, Any] = {
+        "host": config.listen.host,
+        "port": config.listen.port,
+        "log_level": "warning",
+        "access_log": False,
+        "loop": "uvloop",
+        "http": guarded_protocol(s),
+        "lifespan": "on",
+        "proxy_headers": False,  # a measurable per-request cost; the gateway is not behind a proxy
+        "server_header": False,
+        "timeout_keep_alive": s.keep_alive_s,
+        "backlog": s.backlog,
+    }
+    kwargs.update(overrides)
+    return uvicorn.Config(app, **kwargs)

@@ -1,0 +1,306 @@
+"""Admission control: bounded in-flight work per tenant, for the gateway and per engine, with a
+bounded priority wait queue in front of the global and per-engine limits.
+
+Order of checks in :meth:`Admission.admit` (nothing is consumed unless all pass):
+
+1. the tenant's ``max_concurrent`` (its requests admitted or waiting) -> 429 ``tenant_concurrency``;
+2. the tenant's ``requests_per_s`` token bucket -> 429 ``tenant_rate_limited``;
+3. the tenant's ``tokens_per_s`` bucket (the request's estimated tokens; completion tokens are
+   debited afterwards with :meth:`Admission.charge`, so the bucket may go into debt) -> 429
+   ``tenant_token_rate_limited``;
+4. a global slot (``admission.max_inflight``): when none is free the request waits in a bounded
+   queue, interactive turns before background subagents and FIFO within each class; a full
+   queue or a wait past ``queue_timeout_s`` -> 503 ``gateway_busy``.
+
+:meth:`Admission.engine_slot` does the same for one engine (``max_inflight_per_engine``,
+``max_queue_per_engine``) -> 503 ``engine_busy``. Every rejection carries ``Retry-After``
+(seconds until the bucket refills for rate limits, ``admission.retry_after_s`` otherwise).
+Buckets are refilled lazily from the clock passed in; the tables are bounded by the number of
+configured tenants and engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from gateway.config import AdmissionConfig
+from gateway.errors import ApiError
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.tenants import Tenant
+
+INTERACTIVE, BACKGROUND = 0, 1
+
+
+class AdmissionRejected(ApiError):
+    """A request refused by admission: 429 (the tenant's limit) or 503 (capacity), with
+    ``retry_after``; ``code`` names the limit."""
+
+    __slots__ = ()
+
+
+class _QueueFull(Exception):
+    pass
+
+
+class Slots:
+    """A counting semaphore whose waiters form a bounded two-class queue: a freed slot goes to
+    the oldest interactive waiter, else the oldest background one (handed over directly, so a
+    newcomer never overtakes a waiter)."""
+
+    def __init__(self, limit: int, max_waiters: int) -> None:
+        self.limit = limit
+        self.max_waiters = max_waiters
+        self.used = 0
+        self._queues: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queues[0]) + len(self._queues[1])
+
+    async def acquire(self, priority: int, timeout: float) -> None:
+        """Take a slot, waiting up to ``timeout`` s. Raises _QueueFull or TimeoutError."""
+        if self.used < self.limit and self.waiting == 0:
+            self.used += 1
+            return
+        if self.waiting >= self.max_waiters:
+            raise _QueueFull
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._queues[priority]
+        queue.append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot just as the wait ended: pass it on
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    queue.remove(fut)
+            raise
+
+    def release(self) -> None:
+        for queue in self._queues:
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)  # the slot changes hands; ``used`` stays
+                    return
+        self.used -= 1
+
+
+@dataclass(slots=True)
+class Bucket:
+    """A token bucket: ``rate`` per second up to ``capacity``; may go into debt."""
+
+    rate: float
+    capacity: float
+    level: float
+    at: float
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + max(0.0, now - self.at) * self.rate)
+        self.at = now
+
+    def wait_for(self, amount: float) -> float:
+        """Seconds until ``amount`` (capped at the capacity) is available; 0 when it is now."""
+        need = min(amount, self.capacity) - self.level
+        return 0.0 if need <= 1e-9 else need / self.rate
+
+
+@dataclass(slots=True)
+class _TenantState:
+    inflight: int = 0
+    requests: Bucket | None = None
+    tokens: Bucket | None = None
+    admitted: int = 0
+    rejected: int = 0
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request (what :meth:`Admission.admit` yields)."""
+
+    tenant: str
+    interactive: bool
+    waited: bool = False
+
+
+@dataclass(slots=True)
+class AdmissionStats:
+    admitted: int = 0
+    queued: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class Admission:
+    """Owns the global, per-tenant and per-engine limits (one per app, on its lifespan)."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics
+        self.global_slots = Slots(config.max_inflight, config.max_queue)
+        self.engines: dict[str, Slots] = {}
+        self.tenants: dict[str, _TenantState] = {}
+        self.stats = AdmissionStats()
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return self.global_slots.used
+
+    @property
+    def waiting(self) -> int:
+        return self.global_slots.waiting
+
+    def tenant_inflight(self, tenant: Tenant) -> int:
+        s = self.tenants.get(tenant.name)
+        return s.inflight if s else 0
+
+    # -- admitting -----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admit(self, tenant: Tenant, interactive: bool = True, tokens: int = 0) -> AsyncIterator[Ticket]:
+        """Hold a global slot for the body of the ``async with`` (raises AdmissionRejected)."""
+        ts = self._tenant(tenant)
+        self._check_tenant(tenant, ts, tokens)
+        ts.inflight += 1
+        ticket = Ticket(tenant.name, interactive)
+        try:
+            ticket.waited = await self._acquire(self.global_slots, interactive, "gateway_busy", "the gateway")
+            ts.admitted += 1
+            self.stats.admitted += 1
+            try:
+                yield ticket
+            finally:
+                self.global_slots.release()
+                self._gauge()
+        finally:
+            ts.inflight -= 1
+
+    @contextlib.asynccontextmanager
+    async def engine_slot(self, engine: str, interactive: bool = True) -> AsyncIterator[None]:
+        """Hold one of ``engine``'s in-flight slots (raises AdmissionRejected 503 ``engine_busy``)."""
+        slots = self.engines.get(engine)
+        if slots is None:
+            slots = self.engines[engine] = Slots(
+                self.config.max_inflight_per_engine, self.config.max_queue_per_engine
+            )
+        await self._acquire(slots, interactive, "engine_busy", f"engine '{engine}'")
+        try:
+            yield
+        finally:
+            slots.release()
+
+    def engine_has_room(self, engine: str) -> bool:
+        """Would :meth:`engine_slot` be granted without waiting? (for routing around busy engines)"""
+        s = self.engines.get(engine)
+        return s is None or (s.used < s.limit and s.waiting == 0)
+
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Debit tokens learnt after admission (completion tokens) from the tenant's bucket."""
+        ts = self.tenants.get(tenant.name)
+        if ts is not None and ts.tokens is not None and tokens > 0:
+            ts.tokens.refill(self.clock())
+            ts.tokens.level -= tokens
+
+    # -- internals -----------------------------------------------------------------------------
+    def _tenant(self, tenant: Tenant) -> _TenantState:
+        ts = self.tenants.get(tenant.name)
+        if ts is None:
+            now = self.clock()
+            ts = self.tenants[tenant.name] = _TenantState(
+                requests=_bucket(tenant.requests_per_s, tenant.burst_s, now),
+                tokens=_bucket(tenant.tokens_per_s, tenant.burst_s, now),
+            )
+        return ts
+
+    def _check_tenant(self, tenant: Tenant, ts: _TenantState, tokens: int) -> None:
+        if tenant.max_concurrent is not None and ts.inflight >= tenant.max_concurrent:
+            self._reject(
+                ts,
+                429,
+                "tenant_concurrency",
+                f"too many concurrent requests for this API key (limit {tenant.max_concurrent})",
+                self.config.retry_after_s,
+            )
+        now = self.clock()
+        for bucket, amount, code, what in (
+            (ts.requests, 1.0, "tenant_rate_limited", "requests"),
+            (ts.tokens, float(tokens), "tenant_token_rate_limited", "tokens"),
+        ):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            wait = bucket.wait_for(amount)
+            if wait > 0:
+                self._reject(
+                    ts,
+                    429,
+                    code,
+                    f"rate limit reached for {what} per second ({bucket.rate:g}/s)",
+                    max(1, math.ceil(wait)),
+                )
+        if ts.requests is not None:
+            ts.requests.level -= 1.0
+        if ts.tokens is not None:
+            ts.tokens.level -= tokens
+
+    async def _acquire(self, slots: Slots, interactive: bool, code: str, what: str) -> bool:
+        queued = not (slots.used < slots.limit and slots.waiting == 0)
+        if queued and slots.waiting < slots.max_waiters:
+            self.stats.queued += 1
+        try:
+            await slots.acquire(INTERACTIVE if interactive else BACKGROUND, self.config.queue_timeout_s)
+        except _QueueFull:
+            self._reject(
+                None,
+                503,
+                code,
+                f"{what} is at capacity and its wait queue is full",
+                self.config.retry_after_s,
+            )
+        except TimeoutError:
+            self._reject(
+                None,
+                503,
+                code,
+                f"{what} is at capacity (waited {self.config.queue_timeout_s:g} s)",
+                self.config.retry_after_s,
+            )
+        finally:
+            self._gauge()
+        return queued
+
+    def _reject(
+        self, ts: _TenantState | None, status: int, code: str, message: str, retry_after: int
+    ) -> None:
+        if ts is not None:
+            ts.rejected += 1
+        self.stats.rejected[code] = self.stats.rejected.get(code, 0) + 1
+        if self.metrics is not None:
+            self.metrics.admission_rejections.labels(code).inc()
+        raise AdmissionRejected(status, message, None, code, retry_after)
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.admission_waiting.set(self.global_slots.waiting)
+            self.metrics.admission_inflight.set(self.global_slots.used)
+
+
+def _bucket(rate: float | None, burst_s: float, now: float) -> Bucket | None:
+    if rate is None:
+        return None
+    capacity = max(1.0, rate * burst_s)
+    return Bucket(rate=rate, capacity=capacity, level=capacity, at=now)

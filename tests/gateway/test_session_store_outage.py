@@ -1,0 +1,214 @@
+"""Redis outage: with a real redis-server stopped the session store serves from its local view
+(degraded, counted), the gateway answers hinted requests, the session API and /ready without a
+500, and everything written meanwhile is pushed back when Redis returns. Plus the bounded
+WATCH/MULTI retry loop (it used to spin forever under conflicts)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from gateway.core.sessions import SessionRecord
+from gateway.local.engines import free_ports
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.session_store import RedisSessionStore, SessionStoreBusy
+from tests.conftest import ServedGateway, fake_engine, wait_ready
+
+
+class RedisProcess:
+    """A redis-server we may stop and start again on the same port (no persistence)."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (./scripts/setup.sh installs it)")
+        self.exe = exe
+        self.port = free_ports(1)[0]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(200):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture
+def rp() -> Iterator[RedisProcess]:
+    r = RedisProcess()
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def rec(sid: str, t: float, turns: int = 0) -> SessionRecord:
+    r = SessionRecord(sid, created=t, last_activity=t, home="e0", pool="p")
+    r.turns = turns
+    return r
+
+
+def stored(rp: RedisProcess, sid: str) -> dict[str, Any] | None:
+    import orjson
+
+    raw = rp.client().get(f"agentgw:s:{sid}")
+    return None if raw is None else orjson.loads(raw)
+
+
+async def test_store_serves_locally_while_redis_is_down_and_resyncs(rp: RedisProcess) -> None:
+    clock, metrics = Clock(), GatewayMetrics()
+    store = RedisSessionStore(rp.url, 100, 3600, clock=clock, metrics=metrics, retry_s=5.0)
+    try:
+        await store.put(rec("a", 1.0))
+        await store.put(rec("gone", 1.0))
+        assert not store.degraded and (await store.get("a", 1.0)) is not None
+
+        rp.stop()
+        a = await store.get("a", 2.0)  # from the local view
+        assert a is not None and a.home == "e0" and store.degraded and store.fallbacks == 1
+
+        def bump(r: SessionRecord | None) -> SessionRecord:
+            assert r is not None
+            r.turns += 1
+            r.last_activity = 3.0
+            return r
+
+        assert (await store.update("a", 3.0, bump)).turns == 1  # type: ignore[union-attr]
+        await store.put(rec("b", 3.0))
+        assert (await store.delete("gone")) is not None
+        assert await store.probe()  # still degraded (and not retried before retry_s)
+        assert store.fallbacks == 4
+        text = metrics.render().decode()
+        assert "agentgw_session_store_degraded 1.0" in text
+        assert 'agentgw_session_store_fallbacks_total{op="update"} 2.0' in text
+
+        rp.start()  # an empty Redis (no persistence): everything must come from the local view
+        assert await store.probe()  # before retry_s: the local view still serves
+        clock.t += 5.0
+        assert not await store.probe()
+        assert store.resyncs == 1 and not store.degraded
+        assert stored(rp, "a")["turns"] == 1  # type: ignore[index]
+        assert stored(rp, "b") is not None and stored(rp, "gone") is None
+        assert (await store.get("b", 4.0)) is not None and store.fallbacks == 4
+        assert "agentgw_session_store_degraded 0.0" in metrics.render().decode()
+    finally:
+        await store.close()
+
+
+async def test_resync_keeps_what_another_replica_wrote_later(rp: RedisProcess) -> None:
+    clock = Clock()
+    mine = RedisSessionStore(rp.url, 100, 3600, clock=clock, retry_s=1.0)
+    try:
+        await mine.put(rec("s", 1.0))
+        rp.stop()
+        await mine.put(rec("s", 2.0, turns=1))  # local, during the outage
+        assert mine.degraded
+        rp.start()
+        other = RedisSessionStore(rp.url, 100, 3600)
+        await other.put(rec("s", 9.0, turns=7))  # another replica, after Redis came back
+        await other.close()
+        clock.t += 1.0
+        assert not await mine.probe()
+        assert stored(rp, "s")["turns"] == 7  # type: ignore[index]
+        got = await mine.get("s", 9.0)
+        assert got is not None and got.turns == 7
+    finally:
+        await mine.close()
+
+
+async def test_watch_retry_loop_is_bounded(redis_url: str) -> None:
+    store = RedisSessionStore(redis_url, 100, 3600, prefix="bounded:", max_conflicts=3)
+    sync = redis.Redis.from_url(redis_url)
+    calls = 0
+
+    def conflicting(r: SessionRecord | None) -> SessionRecord:
+        nonlocal calls
+        calls += 1
+        sync.set("bounded:s:s", b'{"session_id": "s"}')  # another writer, every time
+        return rec("s", 1.0)
+
+    try:
+        with pytest.raises(SessionStoreBusy) as e:
+            await store.update("s", 1.0, conflicting)
+        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "session_busy", 1)
+        assert calls == 3 and not store.degraded
+        assert (await store.update("s", 1.0, lambda _r: rec("s", 2.0, turns=2))).turns == 2  # type: ignore[union-attr]
+    finally:
+        await store.close()
+        sync.close()
+
+
+def test_gateway_keeps_routing_with_redis_stopped(rp: RedisProcess) -> None:
+    with fake_engine("--model", "m") as engine:
+        cfg = {
+            "pools": [
+                {"name": "any", "role": "any", "engines": [{"name": "e0", "url": engine, "model": "m"}]}
+            ],
+            "sessions": {"backend": "redis", "redis_url": rp.url, "redis_retry_s": 0.2},
+        }
+        with ServedGateway(cfg) as gw:
+            wait_ready(gw.url)
+            with httpx.Client(base_url=gw.url, timeout=30) as c:
+
+                def chat(sid: str) -> httpx.Response:
+                    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                    return c.post("/v1/chat/completions", json=body, headers={"x-session-id": sid})
+
+                assert chat("s1").status_code == 200
+                assert c.get("/ready").json()["degraded"] is False
+                rp.stop()
+                r = chat("s1")
+                assert r.status_code == 200, r.text
+                assert chat("s2").status_code == 200
+                ready = c.get("/ready")
+                assert ready.status_code == 200 and ready.json()["degraded"] is True
+                assert "agentgw_session_store_degraded 1.0" in c.get("/metrics").text
+                s = c.get("/v1/agent/sessions/s1")
+                assert s.status_code == 200 and s.json()["turns"] >= 2, s.text
+                h = c.post("/v1/agent/sessions/s2/hints", json={"expected_tool_latency_ms": 5000})
+                assert h.status_code == 200, h.text
+                assert c.delete("/v1/agent/sessions/s2").status_code == 200
+
+                rp.start()
+                for _ in range(100):  # bounded: /ready retries Redis every redis_retry_s
+                    if c.get("/ready").json()["degraded"] is False:
+                        break
+                    time.sleep(0.1)
+                assert c.get("/ready").json()["degraded"] is False
+                assert "agentgw_session_store_degraded 0.0" in c.get("/metrics").text
+                assert stored(rp, "s1") is not None and stored(rp, "s2") is None
+                assert chat("s1").status_code == 200
