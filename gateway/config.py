@@ -134,9 +134,13 @@ class RoutingConfig(_Strict):
     cost_decode_ms: tuple[float, float, float] = RoutingParams().cost_decode_ms
     """Decode step at KV use u: max(1, d0 + d1*u + d2*u^2) ms."""
     kv_bytes_per_token: int = Field(RoutingParams().kv_bytes_per_token, gt=0)
+    """KV bytes per token, for pricing a session's KV move in the split's cost rule."""
     move_bytes_per_s: float = Field(RoutingParams().move_bytes_per_s, ge=0)
+    """Transfer rate of a KV move between engines (bytes/s), for the split's cost rule."""
     split_move_weight: float = Field(0.5, ge=0)
+    """Weight of the later KV move in the first-turn pool's cost (work-conserving split)."""
     split_interference_weight: float = Field(1.0, ge=0)
+    """Weight of the decode interference a warm engine's uncached prefill causes (work-conserving split)."""
     weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
     """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False
@@ -176,6 +180,7 @@ class TenantConfig(_Strict):
     """A tenant: its API keys (stored hashed), its limits and the models it may use."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The tenant's name: the namespace of its session and response ids."""
     key_sha256: list[str] = Field(default_factory=list)
     """Hex SHA-256 digests of the tenant's keys (``printf %s KEY | sha256sum``)."""
     key_env: list[str] = Field(default_factory=list)
@@ -183,7 +188,9 @@ class TenantConfig(_Strict):
     models: list[str] | None = None
     """Models this tenant may use (None: all)."""
     requests_per_s: float | None = Field(None, gt=0)
+    """Requests per second the tenant may send (None: unlimited); past it, 429."""
     tokens_per_s: float | None = Field(None, gt=0)
+    """Prompt tokens per second the tenant may send (None: unlimited); past it, 429."""
     burst_s: float = Field(2.0, gt=0)
     """Rate buckets hold ``rate * burst_s`` (at least one request's worth)."""
     max_concurrent: int | None = Field(None, gt=0)
@@ -200,12 +207,15 @@ class AuthConfig(_Strict):
     allowed on a loopback address unless ``allow_unauthenticated`` says otherwise."""
 
     tenants: list[TenantConfig] = Field(default_factory=list)
+    """The tenants, each with its key (hashed or from the environment), limits and models."""
     admin_key_sha256: list[str] = Field(default_factory=list)
     """Hex SHA-256 digests of admin keys (``/debug/*``, ``/metrics``, any tenant's sessions)."""
     admin_key_env: list[str] = Field(default_factory=list)
+    """Environment variables holding admin keys (for /metrics, /debug/*, /dashboard, session administration)."""
     cache_salt_secret_env: str | None = None
     """Environment variable with a secret mixed into each tenant's ``cache_salt``."""
     allow_unauthenticated: bool = False
+    """Serve without any key on a non-loopback address (off: the gateway refuses to start so)."""
 
     @field_validator("admin_key_sha256")
     @classmethod
@@ -223,8 +233,11 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for a slot before a 503."""
     max_inflight_per_engine: int = Field(1024, gt=0)
+    """Requests in flight to one engine before new ones wait in its queue."""
     max_queue_per_engine: int = Field(256, ge=0)
+    """Requests waiting for one engine before new ones get 503 with Retry-After."""
     retry_after_s: int = Field(1, ge=0)
+    """Retry-After (seconds) on admission's 429 and 503 answers."""
 
 
 class ServerConfig(_Strict):
@@ -233,6 +246,7 @@ class ServerConfig(_Strict):
     max_connections: int = Field(8192, gt=0)
     """Open client connections; past it new ones get a 503 and are closed."""
     max_header_count: int = Field(100, gt=0)
+    """Request headers accepted before the connection gets 431."""
     max_header_bytes: int = Field(64 * 1024, gt=0)
     """Request line plus all headers."""
     header_timeout_s: float = Field(10.0, gt=0)
@@ -242,6 +256,7 @@ class ServerConfig(_Strict):
     keep_alive_s: float = Field(30.0, gt=0)
     """Idle time after which a keep-alive connection is closed."""
     backlog: int = Field(2048, gt=0)
+    """The listening socket's accept backlog."""
 
 
 class HintsConfig(_Strict):
