@@ -180,7 +180,7 @@ class TenantConfig(_Strict):
     """A tenant: its API keys (stored hashed), its limits and the models it may use."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
-    """The tenant's name: the namespace of its session and response ids."""
+    """The tenant's name: prefixes its session and response ids (``<name>:<id>``)."""
     key_sha256: list[str] = Field(default_factory=list)
     """Hex SHA-256 digests of the tenant's keys (``printf %s KEY | sha256sum``)."""
     key_env: list[str] = Field(default_factory=list)
@@ -188,9 +188,9 @@ class TenantConfig(_Strict):
     models: list[str] | None = None
     """Models this tenant may use (None: all)."""
     requests_per_s: float | None = Field(None, gt=0)
-    """Requests per second the tenant may send (None: unlimited); past it, 429."""
+    """Requests admitted per second (token bucket; past it a 429 with ``Retry-After``)."""
     tokens_per_s: float | None = Field(None, gt=0)
-    """Prompt tokens per second the tenant may send (None: unlimited); past it, 429."""
+    """Prompt plus completion tokens per second (token bucket; past it a 429)."""
     burst_s: float = Field(2.0, gt=0)
     """Rate buckets hold ``rate * burst_s`` (at least one request's worth)."""
     max_concurrent: int | None = Field(None, gt=0)
@@ -207,15 +207,15 @@ class AuthConfig(_Strict):
     allowed on a loopback address unless ``allow_unauthenticated`` says otherwise."""
 
     tenants: list[TenantConfig] = Field(default_factory=list)
-    """The tenants, each with its key (hashed or from the environment), limits and models."""
+    """The tenants and their keys; none (and no admin key): every caller is anonymous."""
     admin_key_sha256: list[str] = Field(default_factory=list)
     """Hex SHA-256 digests of admin keys (``/debug/*``, ``/metrics``, any tenant's sessions)."""
     admin_key_env: list[str] = Field(default_factory=list)
-    """Environment variables holding admin keys (for /metrics, /debug/*, /dashboard, session administration)."""
+    """Environment variables holding admin keys in clear; read once at start-up, then hashed."""
     cache_salt_secret_env: str | None = None
     """Environment variable with a secret mixed into each tenant's ``cache_salt``."""
     allow_unauthenticated: bool = False
-    """Serve without any key on a non-loopback address (off: the gateway refuses to start so)."""
+    """Allow running without any key on a non-loopback address (not recommended)."""
 
     @field_validator("admin_key_sha256")
     @classmethod
@@ -233,11 +233,11 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0)
     """Longest wait for a slot before a 503."""
     max_inflight_per_engine: int = Field(1024, gt=0)
-    """Requests in flight to one engine before new ones wait in its queue."""
+    """Requests in flight to one engine at once."""
     max_queue_per_engine: int = Field(256, ge=0)
-    """Requests waiting for one engine before new ones get 503 with Retry-After."""
+    """Requests waiting for a slot on one engine; past it a 503 with ``Retry-After``."""
     retry_after_s: int = Field(1, ge=0)
-    """Retry-After (seconds) on admission's 429 and 503 answers."""
+    """``Retry-After`` of an admission 503 (rate-limit 429s say when the bucket refills)."""
 
 
 class ServerConfig(_Strict):
@@ -246,7 +246,7 @@ class ServerConfig(_Strict):
     max_connections: int = Field(8192, gt=0)
     """Open client connections; past it new ones get a 503 and are closed."""
     max_header_count: int = Field(100, gt=0)
-    """Request headers accepted before the connection gets 431."""
+    """Request headers accepted; past it a 431."""
     max_header_bytes: int = Field(64 * 1024, gt=0)
     """Request line plus all headers."""
     header_timeout_s: float = Field(10.0, gt=0)
@@ -256,7 +256,7 @@ class ServerConfig(_Strict):
     keep_alive_s: float = Field(30.0, gt=0)
     """Idle time after which a keep-alive connection is closed."""
     backlog: int = Field(2048, gt=0)
-    """The listening socket's accept backlog."""
+    """Listen backlog: connections the kernel queues before the server accepts them."""
 
 
 class HintsConfig(_Strict):

@@ -3,6 +3,8 @@ request body within a limit (413 past it, counted as it streams in)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 from fastapi import Request
 
 from gateway.errors import ApiError
@@ -11,11 +13,14 @@ from gateway.service.tenants import Tenant, TenantRegistry
 
 def registry(request: Request) -> TenantRegistry:
     """The app's tenant registry (``app.state.tenants``, set by the lifespan; built from the
-    service's config on first use when the lifespan did not)."""
+    service's config on first use when the lifespan did not; open before there is a service)."""
     state = request.app.state
     reg: TenantRegistry | None = getattr(state, "tenants", None)
     if reg is None:
-        config = state.service.config
+        service = getattr(state, "service", None)
+        if service is None:
+            return TenantRegistry({}, ())
+        config = service.config
         # `agentgw serve` announced the mode at start-up already
         reg = state.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
     return reg
@@ -27,8 +32,25 @@ def tenant_of(request: Request) -> Tenant:
 
 
 async def require_admin(request: Request) -> None:
-    """FastAPI dependency: 401 without a valid key, 403 with a tenant's (non-admin) key."""
-    registry(request).require_admin(request.headers.raw)
+    """FastAPI dependency of every admin route (``/metrics``, ``/debug/*``, ``/dashboard``):
+    401 without a valid key, 403 with a tenant's (non-admin) key. With no keys configured, only
+    loopback clients pass (403 ``forbidden``)."""
+    reg = registry(request)
+    if reg.open:
+        host = request.client.host if request.client else ""
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ApiError(
+                403,
+                "admin routes are served to loopback clients only when no API keys are configured",
+                None,
+                "forbidden",
+            )
+        return
+    reg.require_admin(request.headers.raw)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
