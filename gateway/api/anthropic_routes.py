@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from gateway.api.auth import read_body, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
 from gateway.errors import ApiError, anthropic_error_body
@@ -42,16 +43,11 @@ MESSAGES_WIRE = Wire("/v1/messages", "/v1/messages", parse, render_error, stream
 async def count_tokens(request: Request) -> Response:
     svc = request.app.state.service
     try:
-        raw = await request.body()
-        if len(raw) > svc.config.limits.max_body_bytes:
-            raise ApiError(
-                413,
-                f"request body exceeds {svc.config.limits.max_body_bytes} bytes",
-                None,
-                "request_too_large",
-            )
+        tenant = tenant_of(request)
+        raw = await read_body(request, svc.config.limits.max_body_bytes)
         parsed = parse(raw, count_tokens=True)
-        status, body = await svc.forward_once(parsed, "/v1/messages/count_tokens", raw, request.headers.raw)
+        path = "/v1/messages/count_tokens"
+        status, body = await svc.forward_once(parsed, path, raw, request.headers.raw, tenant)
     except ApiError as err:
         return _error(err)
     except SERVICE_ERRORS as exc:

@@ -68,6 +68,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         )
         service = GatewayService(config, upstream, cluster, router, metrics, sessions)
         app.state.service = service
+        app.state.tenants = service.tenants
         app.state.holder.service = service
         await cluster.probe_once()
         cluster.start()

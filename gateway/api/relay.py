@@ -142,9 +142,10 @@ class GenerationEndpoint:
             return
         t0 = time.perf_counter()
         try:
+            tenant = svc.tenants.authenticate(scope["headers"])
             raw = await read_body(receive, svc.config.limits.max_body_bytes)
             parsed = wire.parse(raw)
-            plan = await svc.plan(parsed, raw, scope["headers"])
+            plan = await svc.plan(parsed, raw, scope["headers"], tenant)
         except ConnectionAbortedError:
             return
         except (ApiError, *SERVICE_ERRORS) as exc:
@@ -152,6 +153,27 @@ class GenerationEndpoint:
             svc.metrics.count_request(self.route, str(err.status), "", "")
             await send_error(send, err, render=wire.render_error)
             return
+        interactive = plan.analysis.hints.interactive
+        async with contextlib.AsyncExitStack() as admitted:
+            try:
+                # the tenant's limits and the gateway's, then the engine's; interactive turns first
+                await admitted.enter_async_context(
+                    svc.admission.admit(tenant, interactive, plan.analysis.request.prompt_tokens)
+                )
+                await admitted.enter_async_context(
+                    svc.admission.engine_slot(plan.decision.engine, interactive)
+                )
+            except ApiError as err:
+                await svc.abandon(plan)
+                svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
+                await send_error(send, err, plan.extra_headers, wire.render_error)
+                return
+            await self._serve(svc, plan, parsed, t0, receive, send)
+
+    async def _serve(
+        self, svc: GatewayService, plan: Plan, parsed: ParsedRequest, t0: float, receive: Any, send: Any
+    ) -> None:
+        wire = self.wire
         watch = _Watch(receive)
         try:
             up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers)
@@ -204,7 +226,7 @@ class GenerationEndpoint:
                     if rid is not None or len(head) >= SCAN_BYTES:
                         record_id = False
                         if rid is not None:
-                            await svc.remember_response(rid, up)
+                            await svc.remember_response(rid, up, plan.tenant)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})

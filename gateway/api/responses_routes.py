@@ -11,6 +11,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from gateway.api.auth import tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
 from gateway.errors import ApiError
@@ -62,7 +63,10 @@ async def _to_owner(request: Request, response_id: str, method: str, path: str) 
             ApiError(400, "'response_id' is not a valid response id", "response_id", "invalid_value")
         )
     try:
-        status, body = await request.app.state.service.call_owner(response_id, method, path)
+        tenant = tenant_of(request)
+        status, body = await request.app.state.service.call_owner(response_id, method, path, tenant)
+    except ApiError as err:
+        return _error(err)
     except SERVICE_ERRORS as exc:
         return _error(to_api_error(exc))
     return Response(body, status_code=status, media_type="application/json")

@@ -23,12 +23,13 @@ from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS, RESPONSE_DROP, Upstream
+from gateway.service.tenants import CREDENTIAL_HEADERS
 
 __all__ = ["Forwarder", "Relay"]
 
 log = logging.getLogger("agentgw.forwarding")
 
-_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS}
+_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
 
 
 @dataclass(slots=True)
@@ -84,12 +85,24 @@ class Forwarder:
         raw: bytes,
         hints: AgentHints,
         pin: dict[str, Any] | None,
+        changed: bool = False,
     ) -> bytes:
-        """The body the engine gets: ``raw`` unless something had to change. ``pin`` is
-        engine_ext's ``kv_transfer_params.agentgw`` for this turn (None: none)."""
-        changed = False
-        if pin is not None and "kv_transfer_params" not in body:
-            body = {**body, "kv_transfer_params": {"agentgw": pin}}
+        """The body the engine gets: ``raw`` unless something had to change (``changed``: the
+        caller changed ``body`` already). ``pin`` is engine_ext's ``kv_transfer_params.agentgw``
+        for this turn (None: none). A client's own ``kv_transfer_params.agentgw`` never reaches
+        engine_ext: it could pin, release or evict another session's KV."""
+        kv = body.get("kv_transfer_params")
+        if isinstance(kv, dict) and "agentgw" in kv:
+            rest = {k: v for k, v in kv.items() if k != "agentgw"}
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            if rest:
+                body["kv_transfer_params"] = rest
+            kv = rest or None
+            changed = True
+        elif kv is not None and not isinstance(kv, dict):
+            kv = None
+        if pin is not None:
+            body = {**body, "kv_transfer_params": {**(kv or {}), "agentgw": pin}}
             changed = True
         for key in GATEWAY_BODY_KEYS:
             if key in body:

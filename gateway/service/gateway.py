@@ -26,6 +26,7 @@ from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
 from gateway.protocol import ParsedRequest
+from gateway.service.admission import Admission
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound
 from gateway.service.forwarding import Forwarder, Relay
@@ -36,6 +37,7 @@ from gateway.service.placement import Analysis, Placement
 from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
 from gateway.service.session_store import SessionStore
+from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
 
 __all__ = ["Analysis", "GatewayService", "Plan", "Relay"]
 
@@ -49,6 +51,7 @@ class Plan:
     headers: list[tuple[bytes, bytes]]
     analysis: Analysis
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    tenant: Tenant = ANONYMOUS
 
     def response_headers(self, up: Relay) -> list[tuple[bytes, bytes]]:
         d = self.decision
@@ -60,9 +63,18 @@ class Plan:
             (b"x-agentgw-cached-tokens-est", str(d.cached_tokens).encode()),
         ]
         sid = self.analysis.hints.session_id
-        if sid is not None:
-            out.append((b"x-agentgw-session", sid.encode()))
+        local = self.tenant.local_id(sid) if sid is not None else None
+        if local is not None:
+            out.append((b"x-agentgw-session", local.encode()))
         return out + self.extra_headers
+
+
+def salt_for(parsed: ParsedRequest, salt: str) -> None:
+    """Give the request the tenant's prefix-cache salt, whatever the client sent: the body the
+    engine gets and the prompt the gateway hashes."""
+    parsed.body["cache_salt"] = salt
+    if parsed.prompt is not None:
+        parsed.prompt["cache_salt"] = salt
 
 
 class GatewayService:
@@ -92,6 +104,8 @@ class GatewayService:
             config, cluster, router, sessions, self.migrations, self.prompts, metrics, clock
         )
         self.forwarder = Forwarder(config, upstream, cluster, metrics)
+        self.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
+        self.admission = Admission(config.admission, metrics=metrics)
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
 
@@ -120,23 +134,39 @@ class GatewayService:
 
     # -- a turn ----------------------------------------------------------------------------------
     async def analyze(
-        self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
+        self,
+        parsed: ParsedRequest,
+        headers: Sequence[tuple[bytes, bytes]],
+        dry_run: bool = False,
+        tenant: Tenant = ANONYMOUS,
     ) -> Analysis:
-        """Read-only: what is known about the request (``dry_run``: not counted as a request)."""
-        prompt = await self.prompts.read(parsed, headers, dry_run)
-        return await self.placement.analyze(prompt, parsed.previous_response_id)
+        """Read-only: what is known about the request (``dry_run``: not counted as a request).
+        Every id is the tenant's (namespaced), and so is the prefix-cache salt."""
+        tenant.check_model(parsed.model)
+        if tenant.cache_salt is not None:
+            salt_for(parsed, tenant.cache_salt)
+        prompt = await self.prompts.read(parsed, headers, dry_run, tenant)
+        prev = parsed.previous_response_id
+        return await self.placement.analyze(prompt, tenant.namespace(prev) if prev is not None else None)
 
     def decide(self, a: Analysis) -> Decision:
         return self.placement.decide(a)
 
-    async def plan(self, parsed: ParsedRequest, raw: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Plan:
-        a = await self.analyze(parsed, headers)
+    async def plan(
+        self,
+        parsed: ParsedRequest,
+        raw: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        tenant: Tenant = ANONYMOUS,
+    ) -> Plan:
+        a = await self.analyze(parsed, headers, tenant=tenant)
         d = self.placement.decide(a)
         await self.placement.place(a, d)
-        body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d))
+        salted = tenant.cache_salt is not None
+        body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d), changed=salted)
         warning = a.prompt.warning
         extra = [(b"x-agentgw-warning", warning.encode("latin-1", "replace"))] if warning else []
-        return Plan(d, body, self.forwarder.headers(headers), a, extra)
+        return Plan(d, body, self.forwarder.headers(headers), a, extra, tenant)
 
     def _pin(self, a: Analysis, d: Decision) -> dict[str, Any] | None:
         """engine_ext's ``kv_transfer_params.agentgw`` for this turn: pin the session's KV at the
@@ -165,24 +195,31 @@ class GatewayService:
         self.cluster.end(up.engine)
         await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
 
-    async def remember_response(self, response_id: str, up: Relay) -> None:
-        """The engine of ``up`` stored response ``response_id``."""
-        await self.placement.owners.remember(response_id, up.engine, up.pool)
+    async def remember_response(self, response_id: str, up: Relay, tenant: Tenant) -> None:
+        """The engine of ``up`` stored the tenant's response ``response_id``."""
+        await self.placement.owners.remember(tenant.namespace(response_id), up.engine, up.pool)
 
-    async def call_owner(self, response_id: str, method: str, path: str) -> tuple[int, bytes]:
-        """A call on a stored response, made on the engine that holds it."""
-        owner = await self.placement.owners.owner(response_id)
+    async def call_owner(
+        self, response_id: str, method: str, path: str, tenant: Tenant = ANONYMOUS
+    ) -> tuple[int, bytes]:
+        """A call on a stored response of the tenant's, made on the engine that holds it."""
+        owner = await self.placement.owners.owner(tenant.namespace(response_id))
         state = self.cluster.engines.get(owner) if owner is not None else None
         if state is None or not state.healthy:
             raise ResponseNotFound(response_id, "response_id")
         return await self.forwarder.call(owner, method, path, None)
 
     async def forward_once(
-        self, parsed: ParsedRequest, path: str, raw: bytes, headers: Sequence[tuple[bytes, bytes]]
+        self,
+        parsed: ParsedRequest,
+        path: str,
+        raw: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        tenant: Tenant = ANONYMOUS,
     ) -> tuple[int, bytes]:
         """A request that is not a session turn (token counting): routed as a dry run, sent,
         answered whole."""
-        d = self.decide(await self.analyze(parsed, headers, dry_run=True))
+        d = self.decide(await self.analyze(parsed, headers, dry_run=True, tenant=tenant))
         return await self.forwarder.call(d.engine, "POST", path, raw)
 
     # -- sessions ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ as the real path does).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
@@ -20,6 +20,7 @@ from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
 from gateway.protocol import ParsedRequest
 from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
+from gateway.service.tenants import ANONYMOUS, Tenant
 
 __all__ = ["PromptRead", "Prompts"]
 
@@ -62,10 +63,23 @@ class Prompts:
         self._seq = 0
 
     def hints(
+        self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], tenant: Tenant = ANONYMOUS
+    ) -> tuple[AgentHints, str | None]:
+        """The request's hints, their ids in the tenant's namespace; an invalid hint is a
+        :class:`HintError` under ``on_invalid: reject``, else ignored with a warning."""
+        hints, warning = self._hints(parsed, headers)
+        if hints.session_id is not None or hints.parent_session_id is not None:
+            sid, pid = hints.session_id, hints.parent_session_id
+            hints = replace(
+                hints,
+                session_id=tenant.namespace(sid) if sid is not None else None,
+                parent_session_id=tenant.namespace(pid) if pid is not None else None,
+            )
+        return hints, warning
+
+    def _hints(
         self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]]
     ) -> tuple[AgentHints, str | None]:
-        """The request's hints; an invalid hint is a :class:`HintError` under ``on_invalid:
-        reject``, else ignored with a warning."""
         hdrs = {}
         for k, v in headers:
             if k in _HINT_HEADER_BYTES:
@@ -82,12 +96,16 @@ class Prompts:
         return model in self.analyzer.models
 
     async def read(
-        self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], dry_run: bool = False
+        self,
+        parsed: ParsedRequest,
+        headers: Sequence[tuple[bytes, bytes]],
+        dry_run: bool = False,
+        tenant: Tenant = ANONYMOUS,
     ) -> PromptRead:
         """``dry_run``: the same reading without counting a request (round-robin's counter) or
         remembering the session's tokens. A prompt that cannot be analysed exactly in time (or
         at all: it depends on state held by the engine) is hashed approximately, and counted."""
-        hints, warning = self.hints(parsed, headers)
+        hints, warning = self.hints(parsed, headers, tenant)
         info = None
         if not parsed.exact:
             if self.exact_for(parsed.model):
