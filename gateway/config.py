@@ -57,7 +57,13 @@ class PoolConfig(_Strict):
 class TimeoutsConfig(_Strict):
     connect_s: float = Field(2.0, gt=0)
     read_s: float = Field(600.0, gt=0)
-    """Longest silence accepted from an engine while a response is being read."""
+    """Longest silence accepted from an engine while a non-streamed response is being read."""
+    first_byte_s: float = Field(30.0, gt=0)
+    """Longest wait for an engine's response headers; past it the engine counts as failing and
+    the request (nothing of it sent yet) is retried on another engine of the pool."""
+    inter_chunk_s: float = Field(120.0, gt=0)
+    """Longest silence within a streamed response (before the first token too); past it the
+    stream ends with an error event and the engine counts as failing."""
     health_interval_s: float = Field(2.0, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
     metrics_interval_s: float = Field(1.0, gt=0)

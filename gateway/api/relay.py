@@ -176,7 +176,7 @@ class GenerationEndpoint:
         wire = self.wire
         watch = _Watch(receive)
         try:
-            up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers)
+            up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers, parsed.stream)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
@@ -239,6 +239,7 @@ class GenerationEndpoint:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            svc.cluster.record_connect_failure(up.engine)  # died or froze: towards ejection
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
             tail = (
                 self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")

@@ -7,6 +7,7 @@ iterator of body chunks, independent of any wire API; the edge relays it in its 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class Forwarder:
         self.upstream = upstream
         self.cluster = cluster
         self.metrics = metrics
+        t = config.timeouts
+        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.inter_chunk_s)
 
     @staticmethod
     def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -121,10 +124,19 @@ class Forwarder:
         return orjson.dumps(body) if changed else raw
 
     async def open(
-        self, decision: Decision, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]]
+        self,
+        decision: Decision,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        stream: bool = False,
     ) -> Relay:
-        """Send the request; on a connection failure before any byte, retry once on another
-        engine of the same pool, then give up (:class:`UpstreamFailed`)."""
+        """Send the request; when the engine cannot be reached or sends no response headers
+        within ``first_byte_s`` (a frozen engine), retry once on another engine of the same
+        pool, then give up (:class:`UpstreamFailed`). A streamed response may then fall silent
+        for ``inter_chunk_s`` at most, a non-streamed one for ``read_s``."""
+        t = self.config.timeouts
+        timeout = self._stream_timeout if stream else self.upstream.timeout
         tries = [decision.engine, *decision.fallbacks[:1]]
         hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
         last: BaseException | None = None
@@ -134,9 +146,10 @@ class Forwarder:
                 continue
             self.cluster.begin(name)
             try:
-                response = await self.upstream.session.post(
-                    state.config.url + path, data=body, headers=hdrs, timeout=self.upstream.timeout
-                )
+                async with asyncio.timeout(t.first_byte_s):
+                    response = await self.upstream.session.post(
+                        state.config.url + path, data=body, headers=hdrs, timeout=timeout
+                    )
             except CONNECT_ERRORS as exc:
                 self.cluster.end(name)
                 self.cluster.record_connect_failure(name)

@@ -183,9 +183,14 @@ class GatewayService:
         return {"session_id": h.session_id, "pin_ttl_s": ttl}
 
     async def open(
-        self, decision: Decision, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]]
+        self,
+        decision: Decision,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        stream: bool = False,
     ) -> Relay:
-        return await self.forwarder.open(decision, path, body, headers)
+        return await self.forwarder.open(decision, path, body, headers, stream)
 
     async def abandon(self, plan: Plan) -> None:
         """The request was planned but never reached an engine."""

@@ -170,3 +170,44 @@ def test_an_engine_killed_mid_stream_ends_the_stream_with_an_error_event() -> No
         err = orjson.loads(data[-2])
         assert err["error"]["code"] == "upstream_error", data[-3:]
         assert 'agentgw_upstream_errors_total{engine="e0"' in httpx.get(gw.url + "/metrics").text
+
+
+def test_a_frozen_engine_ends_its_streams_and_its_new_requests_go_elsewhere() -> None:
+    with _killable_engine() as (u0, p0), _killable_engine() as (u1, p1):
+        cfg = _config(u0, tenants=[], admin_key_sha256=[])
+        cfg["pools"] = [
+            {
+                "name": "p",
+                "role": "any",
+                "engines": [
+                    {"name": "e0", "url": u0, "model": MODEL},
+                    {"name": "e1", "url": u1, "model": MODEL},
+                ],
+            }
+        ]
+        cfg["routing"] = {"profile": "round_robin"}
+        cfg["timeouts"] = {"health_interval_s": 60, "first_byte_s": 1, "inter_chunk_s": 1}
+        procs = {"e0": p0, "e1": p1}
+        with ServedGateway(cfg) as gw:
+            wait_ready(gw.url)
+            frozen = None
+            lines: list[str] = []
+            body = CHAT | {"stream": True, "max_tokens": 200}
+            try:
+                with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as s:
+                    frozen = s.headers["x-agentgw-engine"]
+                    for line in s.iter_lines():
+                        lines.append(line)
+                        if len(lines) == 6:
+                            os.kill(procs[frozen].pid, signal.SIGSTOP)  # alive, but silent
+                data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+                assert data[-1] == "[DONE]" and "error" in orjson.loads(data[-2]), data[-3:]
+                # new requests: whichever is sent to the frozen engine times out waiting for its
+                # headers and is retried on the other one; none fails
+                for _ in range(3):
+                    r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-agentgw-engine"] != frozen
+            finally:
+                if frozen is not None:
+                    os.kill(procs[frozen].pid, signal.SIGCONT)
