@@ -18,12 +18,13 @@ style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d st
 by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for
 subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
 real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
-``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold instead
-of the work-conserving cost split (the split as first built); ``+bal`` adds the ``home_load`` scorer (weight 5: new sessions and subagents land where
-the fewest live sessions' context is homed, balancing the KV decoding sequences hold); ``+intf``
-adds the ``interference``
-scorer (``--interference-weight``: new sessions land where their prefill costs least, counting
-the decoders it slows); ``+planner`` runs the
+``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold
+instead of the work-conserving cost split (the split as first built); ``+bal`` keeps the
+``home_load`` scorer at weight 5 (the router's default since issue 12: new sessions and
+subagents land where the fewest live sessions' context is homed, balancing the KV decoding
+sequences hold) and every other ``agentic`` policy runs it at 0, as first built; ``+intf`` adds
+the ``interference`` scorer (``--interference-weight``: new sessions land where their prefill
+costs least, counting the decoders it slows); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
 (:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
 (what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
@@ -146,8 +147,8 @@ def run_one(
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
-    if "bal" in flags:
-        routing = replace(routing, weights={**routing.weights, "home_load": HOME_LOAD_WEIGHT})
+    home_load = HOME_LOAD_WEIGHT if "bal" in flags else 0.0
+    routing = replace(routing, weights={**routing.weights, "home_load": home_load})
     if "intf" in flags:
         routing = replace(routing, weights={**routing.weights, "interference": interference_weight})
     if weights:

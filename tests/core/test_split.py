@@ -171,3 +171,17 @@ def test_interference_scorer(engines, matches, expected) -> None:  # type: ignor
 
     snap = Snapshot(engines=tuple(engines), matches=matches)
     assert list(InterferenceScorer(COST).score(FRESH, snap, engines)) == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_session_homed_on_a_first_turn_engine_owes_no_new_move_there() -> None:
+    # the controller made w0's home first-turn: its warm turn (128 uncached tokens) stays there
+    # rather than recomputing 4,096 tokens on a warm engine; a session homed elsewhere is charged
+    # the move (0.205 s) and goes warm
+    home_ft = eng("f0", PoolRole.FIRST_TURN, decoding=2)
+    idle = eng("w1")
+    matches = {"f0": PrefixMatch(31, 31, 31.0)}
+    split = CostSplit(COST, move_weight=5.0)
+    for home, expected in (("f0", ["f0"]), ("w9", ["w1"])):
+        session = SessionView("s", home=home, pool=None, turns=3, context_tokens=4096)
+        snap = Snapshot(engines=(home_ft, idle), matches=matches, session=session)
+        assert [e.name for e in split.filter(FRESH, snap, snap.engines)] == expected, home

@@ -7,9 +7,13 @@ medium):
 
     cost_e = ttft_s(e, u_e)                                  own time to first token
            + interference_weight * D_e * prefill_s(u_e)      decoders on e slowed by its chunks
-           + move_weight * move_s(prompt_tokens)             only on a ``first_turn`` engine: the
+           + move_weight * move_s(prompt_tokens)             only on a ``first_turn`` engine that
+                                                             is not the session's home: the
                                                              session's KV moves to a warm engine
-                                                             before its next turn
+                                                             before its next turn (a session
+                                                             homed on an engine the controller
+                                                             made first-turn owes that move
+                                                             wherever this turn runs)
 
 (``D_e`` the sequences decoding on ``e``; ``ttft_s`` includes ``e``'s prefill backlog.) The warm
 side is every ``warm`` or ``any`` engine, the first-turn side every ``first_turn`` or ``any``
@@ -48,7 +52,8 @@ def engine_cost(
     cached = min(req.prompt_tokens, m.blocks * req.block_size) if m else 0
     u = req.prompt_tokens - cached
     c = cost.ttft_s(e, u) + interference_weight * cost.interference_s(e, u)
-    if e.role == PoolRole.FIRST_TURN:
+    home = snap.session.home if snap.session is not None else None
+    if e.role == PoolRole.FIRST_TURN and e.name != home:
         c += move_weight * cost.move_s(req.prompt_tokens)
     return c
 
