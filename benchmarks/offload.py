@@ -83,8 +83,9 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 9) -> dict[str, dict[st
     """`HostCopyWorker` (through `kernels`) store and load, next to memcpy of the same bytes.
 
     Device blocks are a random permutation (as after churn); host chunks are either a contiguous
-    run (what a fresh host tier hands out) or a random permutation too (a churned host tier: the
-    copy then goes through the reference path's bounce buffer).
+    run (what a fresh host tier hands out) or a random permutation too (a churned host tier).
+    Baseline: one `Tensor.copy_` per block from Python, what the worker did before `kernels/`
+    (its runs of consecutive blocks are all of length 1 here).
     """
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
@@ -108,7 +109,15 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 9) -> dict[str, dict[st
     dev_spec = GPULoadStoreSpec(perm, group_sizes=[num_blocks], block_indices=[0])
     host_run = CPULoadStoreSpec(list(range(num_blocks)))
     host_scattered = CPULoadStoreSpec(rng.sample(range(num_blocks), num_blocks))
+    host_copy = torch.empty_like(device)
+    perm_list = list(perm)
+
+    def per_block_loop() -> None:  # what HostCopyWorker did before it used kernels/
+        for i, block in enumerate(perm_list):
+            host_copy[i].copy_(device[block])
+
     ops = {
+        "per-block copy_ loop (baseline)": per_block_loop,
         "store (host chunks contiguous)": lambda: worker.submit_store(1, dev_spec, host_run),
         "load (host chunks contiguous)": lambda: worker.submit_load(2, host_run, dev_spec),
         "store (both scattered)": lambda: worker.submit_store(3, dev_spec, host_scattered),

@@ -4,8 +4,10 @@ Loaded by vLLM's `OffloadingConnector` through `spec_name` + `spec_module_path`,
 scheduler-side logic (async lookups, chunk-level delta stores, in-flight dedup, fencing of
 reused blocks, `prompt_tokens_by_source` accounting) is reused unchanged. What this spec adds:
 
-- a worker for the CPU platform (`HostCopyWorker`), where vLLM's raises "CPU Offloading is
-  currently only supported on CUDA-alike and XPU GPUs"; on CUDA/XPU the parent's worker runs;
+- a worker for the CPU platform (`HostCopyWorker`, moving blocks through `kernels`), where
+  vLLM's raises "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"; on
+  CUDA/XPU the parent's worker runs unless `"host_worker": "kernels"` asks for `HostCopyWorker`
+  there too (the Triton kernels on CUDA; checked for parity only under Triton's interpreter);
 - defaults that fit agentic sessions: generated tokens are offloaded too
   (`offload_prompt_only=False`, store rule f) and the pin-aware cache policy is the default;
 - secondary tiers (e.g. `engine_ext.tiers.mooncake.MooncakeTier`) come from the standard
@@ -102,8 +104,14 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
     def _device_is_host(self) -> bool:
         return not (current_platform.is_cuda_alike() or current_platform.is_xpu())
 
+    def _uses_host_copy_worker(self) -> bool:
+        choice = str(self.extra_config.get("host_worker", "auto"))
+        if choice not in ("auto", "kernels"):
+            raise ValueError(f"host_worker must be 'auto' or 'kernels', not {choice!r}")
+        return self._device_is_host() or (choice == "kernels" and current_platform.is_cuda())
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if not self._device_is_host():
+        if not self._uses_host_copy_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
             self._worker = self.create_worker(kv_caches)  # type: ignore[assignment]
@@ -111,7 +119,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
         return self._worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches):  # type: ignore[override]
-        if not self._device_is_host():
+        if not self._uses_host_copy_worker():
             return super().create_worker(kv_caches)
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(

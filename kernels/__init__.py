@@ -10,6 +10,9 @@ One entry point per operation; each picks an implementation per call:
 
 Triton is imported only when chosen, so ``import kernels`` works without it. Layouts, the staging
 format and the meaning of ``block_dim`` are documented in ``kernels/reference.py``.
+
+``quantize_fp8`` / ``dequantize_fp8`` (``kernels/fp8.py``): e4m3 with one scale per group of
+values, the store tier's optional compact object format; torch operations on every device.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from types import ModuleType
 import torch
 
 from kernels import reference
+from kernels.fp8 import dequantize_fp8, fp8_nbytes, quantize_fp8
 from kernels.reference import block_nbytes
 
-__all__ = ["block_nbytes", "copy_blocks", "gather_blocks", "scatter_blocks"]
+__all__ = [
+    "block_nbytes",
+    "copy_blocks",
+    "dequantize_fp8",
+    "fp8_nbytes",
+    "gather_blocks",
+    "quantize_fp8",
+    "scatter_blocks",
+]
 
 _BACKEND_ENV = "AGENTGW_KERNELS"
 

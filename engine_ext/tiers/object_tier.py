@@ -19,8 +19,18 @@ Retention (`retention` in the tier config, see engine_ext.retention): which offe
 kept; "interval" (default) keeps every turn's delta, "selective" (Marconi-style) keeps a chunk
 once its prefix was seen a second time. Rejected chunks count as `retention_skipped`.
 
+Object format (`object_format`): "raw" (default) stores the host chunk's bytes as they are,
+zero-copy from the registered host region. "fp8_e4m3" stores each chunk packed by
+`kernels.quantize_fp8` (e4m3 values and one float32 scale per `fp8_group` values, 0.516 of the
+bytes with 128) and unpacks it with `kernels.dequantize_fp8` on load; it needs a 16-bit KV cache
+dtype (bf16/fp16) and is lossy, so it suits attention KV, not Mamba state. FP8 objects carry a
+".e4m3" suffix, so raw and FP8 engines sharing a namespace never read each other's objects.
+`stored_object_bytes` / `loaded_object_bytes` count what went over the wire; `stored_bytes` /
+`loaded_bytes` count KV bytes (host-chunk bytes) in both formats.
+
 Parameters (tier config): `key_namespace` (default "agentgw"), `io_threads` (4),
-`load_parallelism` (4), `verify_checksum` (true), `max_key_cache` (65536), `retention`.
+`load_parallelism` (4), `verify_checksum` (true), `max_key_cache` (65536), `retention`,
+`object_format` ("raw"), `fp8_group` (128).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import torch
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -59,6 +70,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+import kernels
 from engine_ext.retention import make_retention, offers
 from engine_ext.tiers.store import ObjectStore
 
@@ -83,8 +95,10 @@ class TierCounters:
 
     def __init__(self) -> None:
         self.stored_bytes = 0
+        self.stored_object_bytes = 0
         self.stored_chunks = 0
         self.loaded_bytes = 0
+        self.loaded_object_bytes = 0
         self.loaded_chunks = 0
         self.lookup_hits = 0
         self.lookup_misses = 0
@@ -125,8 +139,22 @@ class ObjectStoreTier(SecondaryTierManager):
         enable_kv_events: bool = True,
         locality: str | None = "REMOTE",
         backpressure_detector: BackpressureDetector | None = None,
+        object_format: str = "raw",
+        fp8_group: int = 128,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self._kv_dtype: torch.dtype | None = None  # set: objects are FP8-packed chunks of this dtype
+        if object_format == "fp8_e4m3":
+            dtype = str(offloading_spec.config.model.dtype)
+            if dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"object_format fp8_e4m3 needs a bf16/fp16 KV cache, not {dtype}")
+            self._kv_dtype = getattr(torch, dtype)
+            self._fp8_group = fp8_group
+            self._object_bytes = kernels.fp8_nbytes(self.block_size_bytes // 2, fp8_group)
+        elif object_format == "raw":
+            self._object_bytes = self.block_size_bytes
+        else:
+            raise ValueError(f"object_format must be 'raw' or 'fp8_e4m3', not {object_format!r}")
         self.locality = Locality(locality) if locality is not None else None
         self.store = store
         self.counters = TierCounters()
@@ -167,7 +195,7 @@ class ObjectStoreTier(SecondaryTierManager):
     def key_name(self, key: OffloadKey) -> str:
         name = self._key_names.get(key)
         if name is None:
-            name = self._mapper.get_file_name(key)
+            name = self._mapper.get_file_name(key) + (".e4m3" if self._kv_dtype is not None else "")
             self._key_names[key] = name
             if len(self._key_names) > self._max_key_cache:
                 self._key_names.popitem(last=False)
@@ -355,6 +383,40 @@ class ObjectStoreTier(SecondaryTierManager):
         if not names:
             return JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0)
         size = self.block_size_bytes
+        if self._kv_dtype is not None:
+            rcs = self._store_fp8(names, chunk_ids)
+        else:
+            rcs = self._store_raw(names, chunk_ids, overwrite)
+        ok = all(rc >= 0 for rc in rcs)
+        elapsed = time.perf_counter() - start
+        stored = sum(1 for rc in rcs if rc >= 0)
+        nbytes = size * stored
+        self.counters.stored_bytes += nbytes
+        self.counters.stored_object_bytes += self._object_bytes * stored
+        self.counters.stored_chunks += stored
+        self.counters.store_seconds += elapsed
+        self._count(M_STORED_BYTES, nbytes)
+        self._observe(M_STORE_LATENCY, elapsed)
+        return JobResult(job_id=job_id, success=ok, transfer_time=elapsed, transfer_bytes=nbytes)
+
+    def _chunk_values(self, chunk_id: int) -> torch.Tensor:
+        """The host chunk's bytes as KV values (FP8 format only)."""
+        assert self._kv_dtype is not None
+        return torch.from_numpy(self._primary[chunk_id]).view(self._kv_dtype)
+
+    def _store_fp8(self, names: list[str], chunk_ids: list[int]) -> list[int]:
+        packed = torch.empty((len(chunk_ids), self._object_bytes), dtype=torch.uint8)
+        for row, c in zip(packed, chunk_ids, strict=True):
+            kernels.quantize_fp8(self._chunk_values(c), row, group=self._fp8_group)
+        blobs = [row.numpy().tobytes() for row in packed]
+        if self._verify:
+            crcs = [zlib.crc32(b).to_bytes(4, "big") for b in blobs]
+            self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+        rc = self.store.batch_put_bytes(names, blobs)
+        return [rc] * len(names)
+
+    def _store_raw(self, names: list[str], chunk_ids: list[int], overwrite: list[bool]) -> list[int]:
+        size = self.block_size_bytes
         if self._verify:
             crcs = [zlib.crc32(self._primary[c]).to_bytes(4, "big") for c in chunk_ids]
             self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
@@ -368,18 +430,11 @@ class ObjectStoreTier(SecondaryTierManager):
                     idx, put([names[i] for i in idx], [ptrs[i] for i in idx], [size] * len(idx)), strict=True
                 ):
                     rcs[i] = rc
-        ok = all(rc >= 0 for rc in rcs)
-        elapsed = time.perf_counter() - start
-        stored = sum(1 for rc in rcs if rc >= 0)
-        nbytes = size * stored
-        self.counters.stored_bytes += nbytes
-        self.counters.stored_chunks += stored
-        self.counters.store_seconds += elapsed
-        self._count(M_STORED_BYTES, nbytes)
-        self._observe(M_STORE_LATENCY, elapsed)
-        return JobResult(job_id=job_id, success=ok, transfer_time=elapsed, transfer_bytes=nbytes)
+        return rcs
 
     def _load_slice(self, names: list[str], chunk_ids: list[int]) -> list[bool]:
+        if self._kv_dtype is not None:
+            return self._load_fp8(names, chunk_ids)
         size = self.block_size_bytes
         rcs = self.store.batch_get_into(names, [self._ptr(c) for c in chunk_ids], [size] * len(names))
         good = [rc == size for rc in rcs]
@@ -390,6 +445,21 @@ class ObjectStoreTier(SecondaryTierManager):
                     good[i] = len(crcs[i]) == 4 and zlib.crc32(self._primary[c]) == int.from_bytes(
                         crcs[i], "big"
                     )
+        return good
+
+    def _load_fp8(self, names: list[str], chunk_ids: list[int]) -> list[bool]:
+        blobs = self.store.batch_get_bytes(names)
+        good = [len(b) == self._object_bytes for b in blobs]
+        if self._verify:
+            crcs = self.store.batch_get_bytes([n + ".crc" for n in names])
+            good = [
+                g and len(crc) == 4 and zlib.crc32(b) == int.from_bytes(crc, "big")
+                for g, b, crc in zip(good, blobs, crcs, strict=True)
+            ]
+        for g, b, c in zip(good, blobs, chunk_ids, strict=True):
+            if g:
+                packed = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+                kernels.dequantize_fp8(packed, self._chunk_values(c), group=self._fp8_group)
         return good
 
     def _run_load(self, job_id: JobId, names: list[str], chunk_ids: list[int], *, start: float) -> JobResult:
@@ -406,6 +476,7 @@ class ObjectStoreTier(SecondaryTierManager):
         elapsed = time.perf_counter() - start
         nbytes = first_bad * self.block_size_bytes
         self.counters.loaded_bytes += nbytes
+        self.counters.loaded_object_bytes += first_bad * self._object_bytes
         self.counters.loaded_chunks += first_bad
         self.counters.load_seconds += elapsed
         self._count(M_LOADED_BYTES, nbytes)
