@@ -320,6 +320,11 @@ class FakeEngineProtocol(asyncio.Protocol):
         rid = state.next_id()
         prompt_tokens = max(1, len(body) // 4)
         if not req.get("stream"):
+            if state.ttft_s > 0:  # the whole answer after the delay (a cut connection is counted:
+                # reading stays on, so the client's leaving is seen while the answer is pending)
+                full = state.full_body(chat, rid, prompt_tokens, n)
+                self._delayed = asyncio.get_running_loop().create_task(self._late(full))
+                return
             self._reply(200, state.full_body(chat, rid, prompt_tokens, n))
             return
         opts = req.get("stream_options")
@@ -339,6 +344,18 @@ class FakeEngineProtocol(asyncio.Protocol):
         assert self.transport is not None
         self.transport.pause_reading()
         self._delayed = asyncio.get_running_loop().create_task(self._paced(head, events))
+
+    async def _late(self, body: bytes) -> None:
+        """A non-streamed answer sent after ``ttft_s`` (the time a real engine takes to finish)."""
+        state = self.state
+        state.num_running += 1
+        try:
+            await asyncio.sleep(state.ttft_s)
+            self._delayed = None
+            self._reply(200, body)
+        finally:
+            state.num_running -= 1
+            self._delayed = None
 
     async def _paced(self, head: bytes, events: list[bytes]) -> None:
         state = self.state
