@@ -49,7 +49,7 @@ from gateway.core.prefix_index import PrefixIndex
 from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
 from gateway.core.sessions import SessionTable
-from gateway.core.turn import IndexKind, Siblings, Turn, index_for
+from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn, index_for
 from gateway.core.types import Decision, EngineView, Medium, PoolRole
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
@@ -152,6 +152,7 @@ class Simulator:
         self.indexes = {IndexKind.PRECISE: self.index, IndexKind.APPROX: self.approx}
         self.sessions = SessionTable(capacity=100_000, ttl_s=24 * 3600.0)
         self.siblings = Siblings()
+        self.homes = HomeLedger()
         # the trace's block hashes are exact; KV events feed the precise index only for the
         # profiles that read it (the others ignore prefix matches: skipping them saves time)
         self._kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.profile in _NEEDS_PRECISE
@@ -252,26 +253,9 @@ class Simulator:
         return self._views()
 
     #: A session counts toward its home's load while it had activity this recently (virtual s).
-    HOME_LIVE_S = 30.0
-
-    def _homed_tokens(self) -> list[int]:
-        """Context tokens of the live sessions homed on each engine, from the session table
-        (ordered by last activity, so the scan stops at the first stale record)."""
-        out = [0] * len(self.engines)
-        if not self.cfg.hints:
-            return out
-        horizon = self.now - self.HOME_LIVE_S
-        by_name = self._by_name
-        for rec in reversed(self.sessions._records.values()):
-            if rec.last_activity < horizon and rec.inflight == 0:
-                break
-            if rec.home is not None and rec.home in by_name:
-                out[by_name[rec.home]] += rec.context_tokens
-        return out
-
     def _views(self) -> tuple[EngineView, ...]:
         roles = self._roles
-        homed = self._homed_tokens()
+        homed = self.homes.homed(self.now)
         return tuple(
             EngineView(
                 name=e.name,
@@ -285,7 +269,7 @@ class Simulator:
                 capacity_blocks=e.cfg.num_blocks,
                 decoding=e.decoding,
                 prefill_backlog_tokens=e.prefill_backlog_tokens(),
-                homed_tokens=homed[i],
+                homed_tokens=homed.get(e.name, 0),
             )
             for i, e in enumerate(self.engines)
         )
@@ -337,6 +321,7 @@ class Simulator:
             self.approx.apply_stored(d.engine, r.hashes)
         if cfg.hints and sid is not None:
             self.sessions.put(pipeline.place(rec, d, turn, now))
+            self.homes.placed(sid, d.engine, now)
             if parent_id is not None:
                 pipeline.adopt(parent, sid)
                 self.siblings.add(parent_id, d.engine)
@@ -441,6 +426,7 @@ class Simulator:
             )
             if srec is not None:
                 self.sessions.put(srec)
+                self.homes.settled(h.session_id, srec.home or name, srec.context_tokens, now)
         if self.planner is not None:
             self.planner.after_turn(self, rec)
         self._trigger(st, r.idx, "completion", now)

@@ -5,13 +5,14 @@ engine fails ends with Anthropic's ``event: error``."""
 
 from __future__ import annotations
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.api.auth import read_body, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
-from gateway.errors import ApiError, anthropic_error_body
+from gateway.errors import ApiError, anthropic_error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
 from gateway.wire import _check
 from gateway.wire.anthropic import parse_messages
@@ -36,7 +37,13 @@ def stream_error(message: str) -> bytes:
     return b"event: error\ndata: " + anthropic_error_body(502, message) + b"\n\n"
 
 
-MESSAGES_WIRE = Wire("/v1/messages", "/v1/messages", parse, render_error, stream_error)
+def reshape_error(status: int, body: bytes) -> bytes:
+    """An engine's error (any shape) in Anthropic's: the message of its OpenAI-shaped form."""
+    doc = orjson.loads(reshape_upstream_error(status, body))
+    return anthropic_error_body(status, str(doc["error"]["message"]))
+
+
+MESSAGES_WIRE = Wire("/v1/messages", "/v1/messages", parse, render_error, stream_error, reshape_error)
 
 
 @router.post("/v1/messages/count_tokens", summary="Anthropic token counting (no session turn)")

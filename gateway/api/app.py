@@ -62,7 +62,16 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         router = Router(config.routing.params())
         s = config.sessions
         sessions: SessionStore = (
-            RedisSessionStore(s.redis_url, s.capacity, s.ttl_s)
+            RedisSessionStore(
+                s.redis_url,
+                s.capacity,
+                s.ttl_s,
+                timeout_s=s.redis_timeout_s,
+                retry_s=s.redis_retry_s,
+                max_conflicts=s.redis_max_conflicts,
+                local_capacity=s.local_capacity,
+                metrics=metrics,
+            )
             if s.backend == "redis"
             else MemorySessionStore(s.capacity, s.ttl_s)
         )

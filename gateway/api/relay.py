@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
-from gateway.errors import ApiError, error_body
+from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
 from gateway.service.gateway import GatewayService, Plan, Relay
 from gateway.service.responses import SCAN_BYTES, find_response_id
@@ -60,6 +60,8 @@ class Wire:
     render_error: Callable[[ApiError], bytes] = openai_error
     stream_error: Callable[[str], bytes] = openai_stream_error
     """The event that ends a stream whose engine failed mid-response."""
+    reshape_error: Callable[[int, bytes], bytes] = reshape_upstream_error
+    """An engine's error body in this API's error shape."""
     stores_responses: bool = False
     """The engine may store the answer (Responses API): the gateway records its id's engine."""
 
@@ -192,10 +194,39 @@ class GenerationEndpoint:
             await send_error(send, err, plan.extra_headers, wire.render_error)
             return
         try:
+            if up.status >= 400:
+                watch.stop()
+                await self._relay_error(svc, plan, up, t0, send)
+                return
             record = wire.stores_responses and parsed.store and up.status == 200
             await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record)
         finally:
             up.close()
+
+    async def _relay_error(self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any) -> None:
+        """An engine's error answer, re-shaped into the API's error shape (vLLM's own errors are
+        ``{"detail": ...}`` on some paths)."""
+        status = "502"
+        try:
+            body = self.wire.reshape_error(up.status, await up.read())
+            status = str(up.status)
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *plan.response_headers(up),
+            ]
+            await send({"type": "http.response.start", "status": up.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            err = ApiError(502, f"engine '{up.engine}' failed mid-response: {exc!r}", None, "upstream_error")
+            await send_error(send, err, render=self.wire.render_error)
+        except OSError:
+            status = "499"
+        finally:
+            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
+            svc.metrics.count_request(self.route, status, up.pool, up.engine)
+            await svc.finish(plan, up, status)
 
     async def _relay(
         self,

@@ -21,7 +21,7 @@ anything else to the approximate index fed by the routing decisions themselves.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,6 +32,7 @@ from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, SessionView, Snapshot
 
 __all__ = [
+    "HomeLedger",
     "IndexKind",
     "Siblings",
     "Turn",
@@ -240,3 +241,74 @@ class Siblings:
             del c[engine]
         if not c:
             del self._by_parent[parent]
+
+
+@dataclass(slots=True)
+class _Home:
+    engine: str
+    tokens: int
+    last: float
+    inflight: int
+
+
+class HomeLedger:
+    """Context tokens of the live sessions homed on each engine (``EngineView.homed_tokens``, the
+    ``home_load`` scorer's input): a session is live while it has a turn in flight or had one in
+    the last ``live_s`` seconds. Totals are kept incrementally (O(1) per turn; expiry is lazy,
+    oldest first). Bounded: beyond ``capacity`` sessions the least recently active is dropped.
+    Per gateway replica: each counts the turns it placed."""
+
+    def __init__(self, live_s: float = 30.0, capacity: int = 100_000) -> None:
+        self.live_s = live_s
+        self.capacity = capacity
+        self._homes: OrderedDict[str, _Home] = OrderedDict()
+        self._tokens: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def placed(self, session_id: str, engine: str, now: float) -> None:
+        h = self._homes.pop(session_id, None)
+        if h is None:
+            h = _Home(engine, 0, now, 0)
+        else:
+            self._tokens[h.engine] -= h.tokens
+            h.engine = engine
+        h.inflight += 1
+        h.last = now
+        self._tokens[engine] += h.tokens
+        self._homes[session_id] = h
+        while len(self._homes) > self.capacity:
+            self._drop(next(iter(self._homes)))
+
+    def settled(self, session_id: str, engine: str, context_tokens: int, now: float) -> None:
+        h = self._homes.pop(session_id, None)
+        if h is None:
+            return
+        self._tokens[h.engine] -= h.tokens
+        h.engine, h.tokens, h.last, h.inflight = engine, context_tokens, now, max(0, h.inflight - 1)
+        self._tokens[engine] += context_tokens
+        self._homes[session_id] = h
+
+    def ended(self, session_id: str) -> None:
+        if session_id in self._homes:
+            self._drop(session_id)
+
+    def homed(self, now: float) -> Counter[str]:
+        """Tokens homed per engine now (read-only for the caller)."""
+        horizon = now - self.live_s
+        for _ in range(len(self._homes)):
+            sid, h = next(iter(self._homes.items()))
+            if h.last >= horizon:
+                break
+            if h.inflight > 0:
+                self._homes.move_to_end(sid)  # stale but busy: still live
+                continue
+            self._drop(sid)
+        return self._tokens
+
+    def _drop(self, session_id: str) -> None:
+        h = self._homes.pop(session_id)
+        self._tokens[h.engine] -= h.tokens
+        if self._tokens[h.engine] <= 0:
+            del self._tokens[h.engine]

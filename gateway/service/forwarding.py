@@ -142,7 +142,7 @@ class Forwarder:
         last: BaseException | None = None
         for i, name in enumerate(tries):
             state = self.cluster.engines[name]
-            if i > 0 and not state.healthy:
+            if i > 0 and not self.cluster.routable(name):
                 continue
             self.cluster.begin(name)
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.config import GatewayConfig
 from gateway.core import turn as pipeline
@@ -20,8 +20,8 @@ from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
 from gateway.core.sessions import SessionRecord
-from gateway.core.turn import IndexKind, Siblings, Turn
-from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
+from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
+from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.metrics import GatewayMetrics
@@ -79,6 +79,7 @@ class Placement:
         cap = config.routing.index_capacity_blocks
         self.indexes = {IndexKind.PRECISE: PrefixIndex(cap), IndexKind.APPROX: PrefixIndex(cap)}
         self.siblings = Siblings()
+        self.homes = HomeLedger()
         self.owners = ResponseOwners(sessions, clock)
 
     @property
@@ -105,7 +106,7 @@ class Placement:
             parent,
             index.match(turn.hashes),
             parent_matches,
-            self.cluster.views(),
+            self._views(now),
             self.siblings.view(h.parent_session_id),
         )
         owner = await self.owners.owner(continues) if continues is not None else None
@@ -113,6 +114,14 @@ class Placement:
             raise ResponseNotFound(continues, "previous_response_id")
         live = rec if rec is not None and not rec.ended else None
         return Analysis(prompt, req, snap, live, parent, owner, continues)
+
+    def _views(self, now: float) -> tuple[EngineView, ...]:
+        """The engines as the router sees them, with the live sessions' context homed on each."""
+        homed = self.homes.homed(now)
+        views = self.cluster.views()
+        if not homed:
+            return views
+        return tuple(replace(v, homed_tokens=homed.get(v.name, 0)) for v in views)
 
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:
@@ -151,6 +160,7 @@ class Placement:
             self.migrations.on_next_turn(sid, d.engine, frac)
         now = self.clock()
         await self.sessions.update(sid, now, lambda rec: pipeline.place(rec, d, turn, now))
+        self.homes.placed(sid, d.engine, now)
         parent_id = h.parent_session_id
         if parent_id is not None:
             if a.parent is not None and sid not in a.parent.children:
@@ -172,6 +182,8 @@ class Placement:
         rec = await self.sessions.update(
             sid, now, lambda r: pipeline.settle(r, d.engine, served_on, ok, now, a.turn)
         )
+        if rec is not None:
+            self.homes.settled(sid, rec.home or d.engine, rec.context_tokens, now)
         if rec is not None and ok and served_on is not None:
             self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
 
@@ -210,6 +222,7 @@ class Placement:
         self.migrations.cancel(session_id, reason="session_end")
         rec = await self.sessions.delete(session_id)
         self.prompts.forget(session_id)
+        self.homes.ended(session_id)
         if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
             self.migrations.submit(
                 PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None
