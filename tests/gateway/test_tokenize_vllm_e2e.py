@@ -37,7 +37,11 @@ TOOLS: list[dict[str, Any]] = [
         },
     },
     # no description, extra keys, strict, keys out of order: vLLM's pydantic dump fixes all of it
-    {"function": {"parameters": {"type": "object"}, "name": "list_dir", "x-extra": 1}, "type": "function", "junk": 2},
+    {
+        "function": {"parameters": {"type": "object"}, "name": "list_dir", "x-extra": 1},
+        "type": "function",
+        "junk": 2,
+    },
     {"type": "function", "function": {"name": "run", "strict": True, "parameters": None}},
 ]
 
@@ -61,15 +65,24 @@ def conversation() -> list[dict[str, Any]]:
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "def main():\n    return 1 / 0\n" * 20},
-        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "main.py"}, {"type": "text", "text": "util.py"}]},
+        {
+            "role": "tool",
+            "tool_call_id": "call_2",
+            "content": [{"type": "text", "text": "main.py"}, {"type": "text", "text": "util.py"}],
+        },
         {
             "role": "assistant",
             "content": "The division by zero is the bug.",
-            "tool_calls": [{"id": "call_3", "type": "function", "function": {"name": "run", "arguments": "not json"}}],
+            "tool_calls": [
+                {"id": "call_3", "type": "function", "function": {"name": "run", "arguments": "not json"}}
+            ],
         },
         {"role": "tool", "tool_call_id": "call_3", "content": "ZeroDivisionError"},
         {"role": "assistant", "content": "Fixed.", "tool_calls": []},
-        {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "Thanks, now the tests."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": ""}, {"type": "text", "text": "Thanks, now the tests."}],
+        },
     ]
 
 
@@ -114,9 +127,11 @@ def test_token_ids_equal_vllms_render_for_chats_with_tools(engine: LocalEngine, 
     assert max(encoded[1:4]) < 0.5  # the growing turns were incremental without any session id
 
 
-async def test_analyzer_workers_and_kv_event_hashes_equal_vllms(engine: LocalEngine, tiny_llama: Path) -> None:
+async def test_analyzer_workers_and_kv_event_hashes_equal_vllms(
+    engine: LocalEngine, tiny_llama: Path
+) -> None:
     model = ModelConfig(name=MODEL, tokenizer=str(tiny_llama), block_size=128, hash_seed=HASH_SEED)
-    an = PromptAnalyzer([model], AnalysisConfig(mode="process", small_chars=2000))
+    an = PromptAnalyzer([model], AnalysisConfig(mode="process", inline_chars=0, small_chars=2000))
     try:
         await an.wait_ready()
         for body in bodies()[:4]:
