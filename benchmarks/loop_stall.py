@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2.0, help="first turns per second")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     ap.add_argument("--workers", type=int, default=1, help="analysis.workers (large lane)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds, modes in a rotating order; medians")
     ap.add_argument("--models-dir", default="/tmp/agentgw-test-models")
     ap.add_argument("--json", help="write the raw figures here")
     args = ap.parse_args(argv)
@@ -232,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 15, engines[-1].proc)
     urls = [f"http://127.0.0.1:{e.argv[e.argv.index('--port') + 1]}" for e in engines]
     phases: list[Phase] = []
+    modes = args.modes.split(",")
+    order = [m for r in range(args.repeat) for m in modes[r % len(modes) :] + modes[: r % len(modes)]]
     try:
-        for mode in args.modes.split(","):
+        for mode in order:
             port = free_port()
             cfg = workdir / f"gateway-{mode}.yaml"
             cfg.write_text(json.dumps(gateway_config(port, urls, model_dir, mode, args.workers)))
@@ -261,26 +264,54 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
 def print_table(phases: list[Phase]) -> None:
-    idle = {ph.mode: ph for ph in phases if ph.load == "idle"}
+    """One row per (mode, load): medians over the rounds of each round's p50/p99; "+p99" is the
+    median over rounds of (p99 under load - that round's idle p99); counts are summed."""
+    rows: dict[tuple[str, str], list[tuple[Phase, Phase | None]]] = {}
+    idle: Phase | None = None
+    for ph in phases:
+        if ph.load == "idle":
+            idle = ph
+        rows.setdefault((ph.mode, ph.load), []).append((ph, idle))
     head = (
         "| mode | first turns | small p50 | small p99 | small +p99 | /health p50 | /health p99 | "
         "/health +p99 | big done/sent | big p50 | skipped (approx.) |"
     )
     print(head)
     print("|" + "|".join("---" for _ in range(11)) + "|")
-    for ph in phases:
-        s, h = sorted(ph.small), sorted(ph.health)
-        i = idle.get(ph.mode)
-        sp99, hp99 = percentile(s, 99), percentile(h, 99)
-        ds = sp99 - percentile(sorted(i.small), 99) if i and ph is not i else 0.0
-        dh = hp99 - percentile(sorted(i.health), 99) if i and ph is not i else 0.0
-        big = f"{len(ph.big)}/{ph.big_sent}" if ph.big_sent else "-"
-        bp50 = f"{percentile(sorted(ph.big), 50):.0f}" if ph.big else "-"
-        sk = ", ".join(f"{k} {v:.0f}" for k, v in sorted(ph.skipped.items())) or "0"
+    for (mode, load), runs in rows.items():
+
+        def stat(attr: str, q: float, runs: list[tuple[Phase, Phase | None]] = runs) -> float:
+            return median([percentile(sorted(getattr(ph, attr)), q) for ph, _ in runs])
+
+        def added(attr: str, runs: list[tuple[Phase, Phase | None]] = runs) -> float:
+            return median(
+                [
+                    percentile(sorted(getattr(ph, attr)), 99) - percentile(sorted(getattr(i, attr)), 99)
+                    for ph, i in runs
+                    if i is not None and i is not ph
+                ]
+            )
+
+        sent = sum(ph.big_sent for ph, _ in runs)
+        done = sum(len(ph.big) for ph, _ in runs)
+        big = f"{done}/{sent}" if sent else "-"
+        bp50 = f"{stat('big', 50):.0f}" if done else "-"
+        skipped: dict[str, float] = {}
+        for ph, _ in runs:
+            for k, v in ph.skipped.items():
+                skipped[k] = skipped.get(k, 0.0) + v
+        sk = ", ".join(f"{k} {v:.0f}" for k, v in sorted(skipped.items())) or "0"
+        ds = f"{added('small'):+.1f}" if load != "idle" else "-"
+        dh = f"{added('health'):+.1f}" if load != "idle" else "-"
         print(
-            f"| {ph.mode} | {ph.load} | {percentile(s, 50):.1f} | {sp99:.1f} | {ds:+.1f} | "
-            f"{percentile(h, 50):.1f} | {hp99:.1f} | {dh:+.1f} | {big} | {bp50} | {sk} |"
+            f"| {mode} | {load} | {stat('small', 50):.1f} | {stat('small', 99):.1f} | {ds} | "
+            f"{stat('health', 50):.1f} | {stat('health', 99):.1f} | {dh} | {big} | {bp50} | {sk} |"
         )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import multiprocessing
 import os
 import time
@@ -270,7 +271,7 @@ class PromptAnalyzer:
         lane.backlog[i] += 1
         lane.queued_chars[i] += chars
         loop = asyncio.get_running_loop()
-        cfut.add_done_callback(lambda f: loop.call_soon_threadsafe(_done, lane, i, chars, f))
+        cfut.add_done_callback(lambda f: _call_soon(loop, _done, lane, i, chars, f))
         fut = asyncio.wrap_future(cfut)
         left = cfg.budget_ms / 1000 - (time.monotonic() - start)
         try:
@@ -328,6 +329,13 @@ class PromptAnalyzer:
 def _join(pools: list[cf.Executor]) -> None:
     for p in pools:
         p.shutdown(wait=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """From a pool thread: run ``fn`` on the loop, unless the loop is already gone."""
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # closed in between
+            loop.call_soon_threadsafe(fn, *args)
 
 
 def _done(lane: _Lane, i: int, chars: int, fut: cf.Future[tuple[Any, ...]]) -> None:

@@ -86,7 +86,7 @@ def test_first_turns_of_two_sessions_share_the_system_prompt_and_tools(tiny_llam
 
 
 def b_tools(tok: ChatTokenizer) -> list[dict[str, Any]]:
-    _, tools = tok.normalize({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    _, tools = tok.renderer.normalize({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
     assert tools is not None
     return tools
 
@@ -185,7 +185,7 @@ def test_tools_and_tool_calls_are_normalised_as_vllm_does(tiny_llama: Path) -> N
             {"type": "function", "function": {"name": "g", "strict": True}, "defer_loading": True},
         ],
     }
-    conv, tools = tok.normalize(body)
+    conv, tools = tok.renderer.normalize(body)
     assert tools == [
         {
             "type": "function",
@@ -222,7 +222,7 @@ def test_content_format_detection_agrees_with_vllm(tiny_llama: Path) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from vllm.renderers.hf import _detect_content_format
 
-    from gateway.service.tokenize import _content_format
+    from gateway.service.chat_render import content_format
 
     templates = [
         (tiny_llama / "chat_template.jinja").read_text(),
@@ -234,15 +234,15 @@ def test_content_format_detection_agrees_with_vllm(tiny_llama: Path) -> None:
     ]
     env = ImmutableSandboxedEnvironment()
     for t in templates:
-        assert _content_format(env, t) == _detect_content_format(t, default="string"), t
+        assert content_format(env, t) == _detect_content_format(t, default="string"), t
 
 
 def test_openai_content_format_keeps_parts(tiny_llama: Path) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     tok = ChatTokenizer(tiny_llama, 128, "0")
-    tok.content_format = "openai"
-    conv, _ = tok.normalize(
+    tok.renderer.content_format = "openai"
+    conv, _ = tok.renderer.normalize(
         {
             "messages": [
                 {
