@@ -74,9 +74,11 @@ def prompt_chars(kind: str, body: dict[str, Any]) -> int:
             n += len(c)
         elif isinstance(c, list):
             n += sum(len(t) for p in c if isinstance(p, dict) and isinstance(t := p.get("text"), str))
-        if isinstance(m, dict) and m.get("tool_calls"):
-            n += 256 * len(m["tool_calls"])
-    return n + 512 * len(body.get("tools") or ())
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            n += 256 * len(calls)
+    tools = body.get("tools")
+    return n + 512 * (len(tools) if isinstance(tools, list) else 0)
 
 
 # -- the worker side (a process of a pool) ------------------------------------------------------

@@ -112,20 +112,29 @@ def _chain(root: bytes, parts: Iterator[bytes]) -> list[bytes]:
 
 
 def affinity_key(kind: str, body: dict[str, Any]) -> bytes:
-    """A cheap key of the start of a prompt (first message or first chunk), to send requests that
-    share a beginning to the same worker, whose content-keyed cache then holds it."""
+    """A cheap key of the start of a prompt (first message or first chunk, tool names), to send
+    requests that share a beginning to the same worker, whose content-keyed cache then holds it.
+    Never recursive: a body nested 1,000 deep costs what a flat one does."""
     if kind == "chat":
         msgs = body.get("messages")
         first = msgs[0] if isinstance(msgs, list) and msgs else None
         c = first.get("content") if isinstance(first, dict) else None
-        data = c.encode("utf-8", "surrogatepass")[:4096] if isinstance(c, str) else repr(c)[:4096].encode()
-        return _h(data + repr(body.get("tools"))[:1024].encode())
+        if isinstance(c, list):
+            c = "\n".join(t for p in c[:16] if isinstance(p, dict) and isinstance(t := p.get("text"), str))
+        data = c[:4096] if isinstance(c, str) else ""
+        tools = body.get("tools")
+        for t in tools[:64] if isinstance(tools, list) else ():
+            fn = t.get("function") if isinstance(t, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            data += "\0" + (name if isinstance(name, str) else "")
+        return _h(data.encode("utf-8", "surrogatepass"))
     p = body.get("prompt")
-    if isinstance(p, list) and p and isinstance(p[0], str):
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
         return _h(p[:PROMPT_CHUNK_CHARS].encode("utf-8", "surrogatepass"))
-    return _h(repr(p[:TOKEN_CHUNK] if isinstance(p, list) else p).encode())
+    ids = [t for t in p[:TOKEN_CHUNK] if isinstance(t, int)] if isinstance(p, list) else []
+    return _h(repr(ids).encode())
 
 
 class ChatTokenizer:

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -15,6 +16,7 @@ from gateway.core.block_hash import hash_tokens
 from gateway.errors import ApiError
 from gateway.service.tokenize import ChatTokenizer, Unsupported
 
+JSON = {"content-type": "application/json"}
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 60
 TOOLS = [
     {
@@ -299,3 +301,29 @@ def test_bad_tool_shapes_are_400s_and_engine_dependent_inputs_unsupported(tiny_l
     for body in ({"messages": image}, {"messages": msgs, "chat_template": "{{ 1 }}"}):
         with pytest.raises(Unsupported):
             tok.prompt_info("chat", body)
+
+
+def test_tools_nested_1000_deep_through_the_gateway_are_a_json_400_naming_tools(tiny_llama: Path) -> None:
+    from tests.conftest import ServedGateway, fake_engine, wait_ready
+
+    # ~1,000 JSON levels, built as text: orjson still parses it (its limit is 1,024), json.dumps
+    # (the templates' tojson) cannot render it
+    params = '{"type":"object","properties":{"a":' * 500 + '{"type":"string"}' + "}}" * 500
+    tools = '[{"type":"function","function":{"name":"f","parameters":' + params + "}}]"
+    raw = ('{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":' + tools + "}").encode()
+    with fake_engine("--model", "m") as url:
+        cfg = {
+            "pools": [{"name": "any", "role": "any", "engines": [{"name": "e0", "url": url, "model": "m"}]}],
+            "models": [{"name": "m", "tokenizer": str(tiny_llama), "block_size": 128}],
+        }
+        with ServedGateway(cfg) as gw:
+            wait_ready(gw.url)
+            r = httpx.post(gw.url + "/v1/chat/completions", content=raw, headers=JSON, timeout=60)
+            ok = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            )
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["param"] == "tools"
+    assert ok.status_code == 200
