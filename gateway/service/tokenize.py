@@ -209,7 +209,12 @@ class ChatTokenizer:
             r = self.renderer
             conv, tools = r.normalize(body)
             kwargs = r.template_kwargs(body, tools)
-            root = _h(b"chat\0" + _dumps([kwargs, salt], "tools"))
+            rest = {k: v for k, v in kwargs.items() if k != "tools"}
+            root = _h(
+                b"chat\0"
+                + _dumps(kwargs.get("tools"), "tools")
+                + _dumps([rest, salt], "chat_template_kwargs")
+            )
             keys = _chain(root, (_h(_dumps(m, f"messages[{i}]")) for i, m in enumerate(conv)))
             text = r.render_conversation(conv, kwargs)
             return self._from_text(text, keys, salt, ())
