@@ -105,11 +105,13 @@ class AnalysisConfig(_Strict):
     """Workers of the large-prompt lane."""
     small_workers: int = Field(1, ge=1, le=64)
     """Workers of the small-prompt lane."""
+    inline_chars: int = Field(2048, ge=0)
+    """Prompts with fewer characters of text are analysed on the event loop (< 1 ms of work)."""
     small_chars: int = Field(32_768, ge=0)
     """Prompts with fewer characters of text go to the small lane."""
     large_nice: int = Field(10, ge=0, le=19)
     """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
-    budget_ms: float = Field(5000.0, gt=0)
+    budget_ms: float = Field(2000.0, gt=0)
     """Longest wait for one analysis; past it the request is routed on the approximate index."""
     max_backlog: int = Field(16, ge=1)
     """Requests queued per worker beyond which new ones are routed approximately at once."""

@@ -1,8 +1,10 @@
 """Prompt analysis (chat-template render, tokenization, block hashing) off the event loop.
 
-One :class:`PromptAnalyzer` per app. Requests go to one of two lanes by the size of their prompt
-text: ``small`` (under ``analysis.small_chars`` characters) and ``large``, so that a small request
-never waits behind a 200K-token first turn. Each lane runs on its own workers:
+One :class:`PromptAnalyzer` per app. Prompts under ``analysis.inline_chars`` characters (a few
+hundred tokens: well under a millisecond of work) are analysed on the loop, where a round trip to a
+worker would cost more than the work. Larger ones go to one of two lanes by the size of their
+prompt text: ``small`` (under ``analysis.small_chars`` characters) and ``large``, so that a small
+request never waits behind a 200K-token first turn. Each lane runs on its own workers:
 
 - ``process`` (the default): single-process pools (``spawn``), one :class:`ChatTokenizer` per
   model in each (the per-process state a pool initializer sets up). Large-lane workers run at a
@@ -16,8 +18,10 @@ never waits behind a 200K-token first turn. Each lane runs on its own workers:
   releases the GIL, but templating, hashing and pickling do not.
 - ``inline``: on the event loop, as before this module existed (for comparisons only).
 
-Each request has a budget (``budget_ms``): past it, or when its worker already has
-``max_backlog`` requests queued, :meth:`PromptAnalyzer.analyze` raises :class:`AnalysisSkipped`
+Each request has a budget (``budget_ms``): past it, or when the wait predicted from its worker's
+queue (characters queued / the lane's measured characters per second) exceeds it, or the worker
+already has ``max_backlog`` requests queued, :meth:`PromptAnalyzer.analyze` raises
+:class:`AnalysisSkipped`
 and the caller routes on the approximate index; the work itself is not cancelled, so the cache
 still warms for the next turn. Skips are counted in ``agentgw_analysis_skipped_total{reason}``.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import multiprocessing
 import os
 import time
@@ -69,9 +74,11 @@ def prompt_chars(kind: str, body: dict[str, Any]) -> int:
             n += len(c)
         elif isinstance(c, list):
             n += sum(len(t) for p in c if isinstance(p, dict) and isinstance(t := p.get("text"), str))
-        if isinstance(m, dict) and m.get("tool_calls"):
-            n += 256 * len(m["tool_calls"])
-    return n + 512 * len(body.get("tools") or ())
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            n += 256 * len(calls)
+    tools = body.get("tools")
+    return n + 512 * (len(tools) if isinstance(tools, list) else 0)
 
 
 # -- the worker side (a process of a pool) ------------------------------------------------------
@@ -88,17 +95,18 @@ def _init_worker(specs: Sequence[_Spec], cache_bytes: int, nice: int) -> None:
 
 
 def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
-    """A picklable outcome: ("ok", n, hashes, encoded, token bytes), ("api", ...) or
-    ("unsupported", reason). (ApiError does not survive pickling.)"""
+    """A picklable outcome, its last item the seconds it took: ("ok", n, hashes, encoded, token
+    bytes, s), ("api", ..., s) or ("unsupported", reason, s). (ApiError does not pickle.)"""
+    start = time.perf_counter()
     try:
         info = tok.prompt_info(kind, body)
     except ApiError as exc:
-        return ("api", exc.status, exc.message, exc.param, exc.code)
+        return ("api", exc.status, exc.message, exc.param, exc.code, time.perf_counter() - start)
     except Unsupported as exc:
-        return ("unsupported", exc.reason)
+        return ("unsupported", exc.reason, time.perf_counter() - start)
     tokens = info.tokens
     data = tokens.tobytes() if isinstance(tokens, array) else array("i", tokens).tobytes()
-    return ("ok", info.num_tokens, info.hashes, info.encoded_tokens, data)
+    return ("ok", info.num_tokens, info.hashes, info.encoded_tokens, data, time.perf_counter() - start)
 
 
 def _work(model: str, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
@@ -122,20 +130,41 @@ def _outcome(out: tuple[Any, ...]) -> PromptInfo:
 # -- the loop side ------------------------------------------------------------------------------
 
 
+MIN_RATE_SAMPLE_CHARS = 16_384
+"""Only analyses of at least this many characters update a lane's speed estimate."""
+
+
 class _Lane:
-    """The workers of one lane and the requests each has queued."""
+    """The workers of one lane, what each has queued, and how fast the lane works.
+
+    A request is admitted to a worker only if its predicted wait, (characters queued there +
+    its own) / measured characters per second, fits in the budget and the worker has fewer than
+    ``max_backlog`` requests queued: otherwise it is routed approximately at once, instead of
+    waiting for a budget it cannot meet."""
 
     def __init__(self, name: str, pools: list[cf.Executor]) -> None:
         self.name = name
         self.pools = pools
         self.backlog = [0] * len(pools)
+        self.queued_chars = [0] * len(pools)
+        self.chars_per_s = 2e6  # optimistic until measured
 
-    def pick(self, key: bytes, max_backlog: int) -> int | None:
+    def _fits(self, i: int, chars: int, budget_s: float, max_backlog: int) -> bool:
+        wait = (self.queued_chars[i] + chars) / self.chars_per_s
+        return self.backlog[i] < max_backlog and (self.backlog[i] == 0 or wait <= budget_s)
+
+    def pick(self, key: bytes, chars: int, budget_s: float, max_backlog: int) -> int | None:
         i = int.from_bytes(key[:8], "big") % len(self.pools)
-        if self.backlog[i] < max_backlog:
+        if self._fits(i, chars, budget_s, max_backlog):
             return i
-        j = min(range(len(self.pools)), key=self.backlog.__getitem__)
-        return j if self.backlog[j] < max_backlog else None
+        j = min(range(len(self.pools)), key=self.queued_chars.__getitem__)
+        return j if self._fits(j, chars, budget_s, max_backlog) else None
+
+    def done(self, i: int, chars: int, seconds: float | None) -> None:
+        self.backlog[i] -= 1
+        self.queued_chars[i] -= chars
+        if seconds is not None and chars >= MIN_RATE_SAMPLE_CHARS:
+            self.chars_per_s = 0.7 * self.chars_per_s + 0.3 * (chars / max(seconds, 1e-4))
 
 
 class PromptAnalyzer:
@@ -162,10 +191,12 @@ class PromptAnalyzer:
             return
         mode = config.mode
         n_large, n_small = config.workers, config.small_workers
-        if mode in ("inline", "thread"):
-            self.tokenizers = {
-                name: ChatTokenizer(path, bs, seed, config.cache_bytes) for name, path, bs, seed in self.specs
-            }
+        # in-process tokenizers: every request in modes inline and thread, tiny prompts (under
+        # inline_chars, well under a millisecond of work) in mode process
+        local_bytes = config.cache_bytes if mode != "process" else config.cache_bytes // 16
+        self.tokenizers = {
+            name: ChatTokenizer(path, bs, seed, local_bytes) for name, path, bs, seed in self.specs
+        }
         if mode == "thread":
             self.lanes = {
                 "large": _Lane("large", [cf.ThreadPoolExecutor(n_large, thread_name_prefix="analysis")]),
@@ -173,7 +204,7 @@ class PromptAnalyzer:
             }
         elif mode == "process":
             ctx = multiprocessing.get_context("spawn")
-            per = config.cache_bytes // (n_large + n_small)
+            per = (config.cache_bytes - local_bytes) // (n_large + n_small)
 
             def pool(nice: int) -> cf.Executor:
                 return cf.ProcessPoolExecutor(
@@ -214,7 +245,7 @@ class PromptAnalyzer:
         if model not in self.models:
             return None
         cfg = self.config
-        if cfg.mode == "inline":
+        if cfg.mode == "inline" or prompt_chars(kind, body) < cfg.inline_chars:
             try:
                 info = self.tokenizers[model].prompt_info(kind, body)
             except Unsupported as exc:
@@ -228,9 +259,10 @@ class PromptAnalyzer:
     async def _offload(self, model: str, kind: str, body: dict[str, Any]) -> PromptInfo:
         cfg = self.config
         start = time.monotonic()
-        lane = self.lanes["small" if prompt_chars(kind, body) < cfg.small_chars else "large"]
+        chars = prompt_chars(kind, body)
+        lane = self.lanes["small" if chars < cfg.small_chars else "large"]
         key = affinity_key(kind, body) if len(lane.pools) > 1 else b"\0"
-        i = lane.pick(key, cfg.max_backlog)
+        i = lane.pick(key, chars, cfg.budget_ms / 1000, cfg.max_backlog)
         if i is None:
             raise self._skip(f"backlog: {lane.name} lane full")
         pool = lane.pools[i]
@@ -239,8 +271,9 @@ class PromptAnalyzer:
         else:
             cfut = pool.submit(_run, self.tokenizers[model], kind, body)
         lane.backlog[i] += 1
+        lane.queued_chars[i] += chars
         loop = asyncio.get_running_loop()
-        cfut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._done, lane, i))
+        cfut.add_done_callback(lambda f: _call_soon(loop, _done, lane, i, chars, f))
         fut = asyncio.wrap_future(cfut)
         left = cfg.budget_ms / 1000 - (time.monotonic() - start)
         try:
@@ -256,17 +289,13 @@ class PromptAnalyzer:
         except AnalysisSkipped as exc:
             raise self._skip(exc.reason) from None
 
-    def _done(self, lane: _Lane, i: int) -> None:
-        lane.backlog[i] -= 1
-
     def _respawn(self, lane: _Lane, old: cf.Executor) -> cf.Executor:
         old.shutdown(wait=False, cancel_futures=True)
         ctx = multiprocessing.get_context("spawn")
-        n = self.config.workers + self.config.small_workers
-        nice = self.config.large_nice if lane.name == "large" else 0
-        return cf.ProcessPoolExecutor(
-            1, ctx, initializer=_init_worker, initargs=(self.specs, self.config.cache_bytes // n, nice)
-        )
+        cfg = self.config
+        per = (cfg.cache_bytes - cfg.cache_bytes // 16) // (cfg.workers + cfg.small_workers)
+        nice = cfg.large_nice if lane.name == "large" else 0
+        return cf.ProcessPoolExecutor(1, ctx, initializer=_init_worker, initargs=(self.specs, per, nice))
 
     # -- session tokens (for KV prefetch) -------------------------------------------------------
     def _remember(self, session_id: str, tokens: Sequence[int]) -> None:
@@ -302,6 +331,18 @@ class PromptAnalyzer:
 def _join(pools: list[cf.Executor]) -> None:
     for p in pools:
         p.shutdown(wait=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """From a pool thread: run ``fn`` on the loop, unless the loop is already gone."""
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # closed in between
+            loop.call_soon_threadsafe(fn, *args)
+
+
+def _done(lane: _Lane, i: int, chars: int, fut: cf.Future[tuple[Any, ...]]) -> None:
+    out = None if fut.cancelled() or fut.exception() is not None else fut.result()
+    lane.done(i, chars, out[-1] if out else None)
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:

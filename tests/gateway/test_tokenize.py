@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -15,6 +16,7 @@ from gateway.core.block_hash import hash_tokens
 from gateway.errors import ApiError
 from gateway.service.tokenize import ChatTokenizer, Unsupported
 
+JSON = {"content-type": "application/json"}
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 60
 TOOLS = [
     {
@@ -86,7 +88,7 @@ def test_first_turns_of_two_sessions_share_the_system_prompt_and_tools(tiny_llam
 
 
 def b_tools(tok: ChatTokenizer) -> list[dict[str, Any]]:
-    _, tools = tok.normalize({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    _, tools = tok.renderer.normalize({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
     assert tools is not None
     return tools
 
@@ -185,7 +187,7 @@ def test_tools_and_tool_calls_are_normalised_as_vllm_does(tiny_llama: Path) -> N
             {"type": "function", "function": {"name": "g", "strict": True}, "defer_loading": True},
         ],
     }
-    conv, tools = tok.normalize(body)
+    conv, tools = tok.renderer.normalize(body)
     assert tools == [
         {
             "type": "function",
@@ -222,7 +224,7 @@ def test_content_format_detection_agrees_with_vllm(tiny_llama: Path) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from vllm.renderers.hf import _detect_content_format
 
-    from gateway.service.tokenize import _content_format
+    from gateway.service.chat_render import content_format
 
     templates = [
         (tiny_llama / "chat_template.jinja").read_text(),
@@ -234,15 +236,15 @@ def test_content_format_detection_agrees_with_vllm(tiny_llama: Path) -> None:
     ]
     env = ImmutableSandboxedEnvironment()
     for t in templates:
-        assert _content_format(env, t) == _detect_content_format(t, default="string"), t
+        assert content_format(env, t) == _detect_content_format(t, default="string"), t
 
 
 def test_openai_content_format_keeps_parts(tiny_llama: Path) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     tok = ChatTokenizer(tiny_llama, 128, "0")
-    tok.content_format = "openai"
-    conv, _ = tok.normalize(
+    tok.renderer.content_format = "openai"
+    conv, _ = tok.renderer.normalize(
         {
             "messages": [
                 {
@@ -299,3 +301,29 @@ def test_bad_tool_shapes_are_400s_and_engine_dependent_inputs_unsupported(tiny_l
     for body in ({"messages": image}, {"messages": msgs, "chat_template": "{{ 1 }}"}):
         with pytest.raises(Unsupported):
             tok.prompt_info("chat", body)
+
+
+def test_tools_nested_1000_deep_through_the_gateway_are_a_json_400_naming_tools(tiny_llama: Path) -> None:
+    from tests.conftest import ServedGateway, fake_engine, wait_ready
+
+    # ~1,000 JSON levels, built as text: orjson still parses it (its limit is 1,024), json.dumps
+    # (the templates' tojson) cannot render it
+    params = '{"type":"object","properties":{"a":' * 500 + '{"type":"string"}' + "}}" * 500
+    tools = '[{"type":"function","function":{"name":"f","parameters":' + params + "}}]"
+    raw = ('{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":' + tools + "}").encode()
+    with fake_engine("--model", "m") as url:
+        cfg = {
+            "pools": [{"name": "any", "role": "any", "engines": [{"name": "e0", "url": url, "model": "m"}]}],
+            "models": [{"name": "m", "tokenizer": str(tiny_llama), "block_size": 128}],
+        }
+        with ServedGateway(cfg) as gw:
+            wait_ready(gw.url)
+            r = httpx.post(gw.url + "/v1/chat/completions", content=raw, headers=JSON, timeout=60)
+            ok = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            )
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["param"] == "tools"
+    assert ok.status_code == 200

@@ -72,8 +72,10 @@ async def test_a_full_backlog_and_a_spent_budget_skip_to_the_approximate_index(t
         assert any(d is not None and not isinstance(d, BaseException) for d in done)
         backlog = [d for d in done if isinstance(d, AnalysisSkipped)]
         assert backlog and all(d.reason.startswith("backlog") for d in backlog)
-        # the small lane is not blocked by the large one
+        # the small lane is not blocked by the large one, and tiny prompts never leave the loop
+        assert await an.analyze("m", "chat", {"messages": [{"role": "user", "content": "hello " * 800}]})
         assert await an.analyze("m", "chat", {"messages": [{"role": "user", "content": "hi"}]})
+        assert an.tokenizers["m"].cached_entries == 1
     finally:
         await an.aclose()
     an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="thread", budget_ms=1, small_chars=1000))
