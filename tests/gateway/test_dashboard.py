@@ -1,6 +1,6 @@
 """The dashboard's parts without engines: the engines' prompt-token counter parser, the windowed
 histogram quantile, the session stores' bounded recent listing (memory and a real Redis), the
-admin check in front of the dashboard routes, and the packaged page and assets."""
+admin key in front of the dashboard's data, and the packaged page and assets."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from gateway.config import load_config
 from gateway.core.sessions import SessionRecord
 from gateway.service.dashboard import _quantile, parse_prompt_counters
 from gateway.service.session_store import MAX_RECENT_LISTING, MemorySessionStore, RedisSessionStore
+from gateway.service.tenants import TenantRegistry, key_digest
+from tests.conftest import ServedGateway
 
 # the exposition vLLM 0.32 writes (counter names get Prometheus' _total suffix; two engines'
 # label sets in one process, as with data parallelism)
@@ -98,22 +100,46 @@ async def test_redis_store_lists_most_recent_first_bounded(redis_url: str) -> No
         await store.close()
 
 
-def _client(host: str) -> httpx.AsyncClient:
-    # no lifespan: the admin check and the static files need no service
-    app = create_app(load_config(None))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app, client=(host, 50000)), base_url="http://gw")
+ADMIN_KEY, TENANT_KEY = "admin-secret", "tenant-secret"
 
 
-@pytest.mark.parametrize("path", ["/dashboard", "/dashboard/state", "/dashboard/static/dashboard.js"])
-async def test_dashboard_refuses_non_loopback_clients(path: str) -> None:
-    async with _client("10.1.2.3") as c:
-        r = await c.get(path)
-    assert r.status_code == 403
-    assert r.json()["error"]["code"] == "forbidden"
+def _client(keys: bool) -> httpx.AsyncClient:
+    """The app without its lifespan (the admin check and the static files need no service), with
+    an admin key and a tenant key configured, or open (no keys: the loopback default)."""
+    auth = (
+        {
+            "admin_key_sha256": [key_digest(ADMIN_KEY)],
+            "tenants": [{"name": "t", "key_sha256": [key_digest(TENANT_KEY)]}],
+        }
+        if keys
+        else {}
+    )
+    config = load_config(None, auth=auth)
+    app = create_app(config)
+    app.state.tenants = TenantRegistry.from_config(config.auth, announce=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw")
 
 
-async def test_dashboard_page_and_assets_come_from_the_package() -> None:
-    async with _client("127.0.0.1") as c:
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "missing_api_key"),
+        ({"authorization": "Bearer nope"}, 401, "invalid_api_key"),
+        ({"authorization": f"Bearer {TENANT_KEY}"}, 403, "admin_required"),
+        ({"x-api-key": TENANT_KEY}, 403, "admin_required"),
+    ],
+)
+async def test_dashboard_data_needs_the_admin_key(headers: dict[str, str], status: int, code: str) -> None:
+    async with _client(keys=True) as c:
+        r = await c.get("/dashboard/state", headers=headers)
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("keys", [True, False])
+async def test_dashboard_page_and_assets_come_from_the_package(keys: bool) -> None:
+    # the page holds no data: a browser loads it without a key, then the page asks for one
+    async with _client(keys) as c:
         page = await c.get("/dashboard")
         js = await c.get("/dashboard/static/dashboard.js")
         css = await c.get("/dashboard/static/dashboard.css")
@@ -121,7 +147,20 @@ async def test_dashboard_page_and_assets_come_from_the_package() -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<script src="/dashboard/static/dashboard.js">' in page.text
     assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
-    assert js.status_code == 200 and "/dashboard/state" in js.text
+    assert js.status_code == 200 and "/dashboard/state" in js.text and "authorization" in js.text
     assert "https://" not in js.text and "http://" not in js.text
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "name"
+
+
+def test_dashboard_data_with_the_admin_key_from_a_served_gateway() -> None:
+    auth = {"admin_key_sha256": [key_digest(ADMIN_KEY)]}
+    with ServedGateway({"auth": auth}) as gw:
+        denied = httpx.get(gw.url + "/dashboard/state", timeout=10)
+        r = httpx.get(
+            gw.url + "/dashboard/state", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+        )
+    assert denied.status_code == 401
+    assert r.status_code == 200
+    state = r.json()
+    assert (state["pools"], state["sessions"]["listed"], state["session_backend"]) == ([], 0, "memory")

@@ -68,6 +68,15 @@ def test_dashboard_shows_a_move_its_outcome_and_the_pins(
     engines = {e["name"]: e for p in state["pools"] for e in p["engines"]}
     assert all(e["controllable"] for e in engines.values())
 
+    # the traffic window: the sampler read these engine_ext engines' prompt-token counters
+    deadline = time.monotonic() + 60
+    while _state(kv_gateway)["traffic"]["window"] is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    window = _state(kv_gateway)["traffic"]["window"]
+    assert window is not None and window["window_s"] > 0
+    last = kv_gateway.app.state.dashboard.samples[-1]
+    assert set(last.engines) == set(engines) and all("prompt" in c for c in last.engines.values())
+
     d = browser
     d.get(kv_gateway.url + "/dashboard")
     WebDriverWait(d, 60, poll_frequency=0.25).until(

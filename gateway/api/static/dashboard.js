@@ -157,10 +157,30 @@ function render(s) {
   document.getElementById("updated").textContent = new Date(s.now * 1000).toLocaleTimeString();
 }
 
+// The data needs an admin key when the gateway has keys configured: taken from the page's
+// fragment (#key=..., never sent to the server by the browser) or asked for, kept for this tab.
+const KEY_SLOT = "agentgw-admin-key";
+const fragKey = new URLSearchParams(location.hash.slice(1)).get("key");
+if (fragKey) { sessionStorage.setItem(KEY_SLOT, fragKey); history.replaceState(null, "", location.pathname + location.search); }
+
+function askKey(status) {
+  const form = document.getElementById("key-form");
+  form.hidden = false;
+  document.getElementById("key-why").textContent = status === 401 ? "admin key needed" : "this key is not an admin key";
+  form.onsubmit = (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem(KEY_SLOT, document.getElementById("key").value);
+    form.hidden = true;
+  };
+}
+
 async function poll() {
   const conn = document.getElementById("conn");
   try {
-    const r = await fetch("/dashboard/state", { cache: "no-store" });
+    const key = sessionStorage.getItem(KEY_SLOT);
+    const headers = key ? { authorization: `Bearer ${key}` } : {};
+    const r = await fetch("/dashboard/state", { cache: "no-store", headers });
+    if (r.status === 401 || r.status === 403) askKey(r.status);
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     render(await r.json());
     conn.textContent = "live"; conn.className = "badge ok";
