@@ -210,11 +210,14 @@ def test_planner_moves_a_first_turn_session_to_the_warm_pool_before_its_next_tur
     assert summarize(sim, plays).migrations == 1
 
 
-def test_without_planner_the_next_turn_loads_its_prefix_on_demand():
+def test_without_planner_the_next_turn_stays_where_its_prefix_is():
+    # no warm engine holds the prefix (nothing moved it): going warm would load or recompute it,
+    # so the turn stays on its first-turn home and finds it on the device
     plays = _two_turn_play()
     sim = _planner_sim(plays, None)
     second = max(sim.records, key=lambda r: r.idx)
-    assert second.engine != "w0" and second.loaded_tokens == 64 * 40
+    assert second.engine == "w0" and second.reason == "sticky"
+    assert second.loaded_tokens == 0 and second.cached_tokens == 64 * 40
     assert sim.migrations == 0 and sim.kv_bytes_moved == 0
 
 

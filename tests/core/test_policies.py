@@ -47,8 +47,17 @@ def req(tokens: int = 1024, **kw: object) -> RouteRequest:
         (PoolByUncached(1000), [F0, W0], req(4096), {}, ["f0"]),
         # cached on w0 except 128 tokens: warm pool
         (PoolByUncached(1000), [F0, W0], req(4096), {"w0": PrefixMatch(31, 31, 31)}, ["w0"]),
-        # a new session whose prefix is cached on the first-turn engine is still warm
-        (PoolByUncached(1000), [F0, W0], req(4096), {"f0": PrefixMatch(31, 31, 31)}, ["w0"]),
+        # the prefix is cached only on the first-turn engine: a warm engine would recompute it
+        # all, so the turn stays on the first-turn side (until the planner moves its KV)
+        (PoolByUncached(1000), [F0, W0], req(4096), {"f0": PrefixMatch(31, 31, 31)}, ["f0"]),
+        # ... and once the KV is on a warm engine too, the turn goes warm
+        (
+            PoolByUncached(1000),
+            [F0, W0],
+            req(4096),
+            {"f0": PrefixMatch(31, 31, 31), "w0": PrefixMatch(31, 31, 31)},
+            ["w0"],
+        ),
         # no engine of the wanted role: keep all
         (PoolByUncached(1000), [W0], req(4096), {}, ["w0"]),
         (PoolByUncached(1000), [F0, W0, eng("a", "any", PoolRole.ANY)], req(10), {}, ["w0", "a"]),

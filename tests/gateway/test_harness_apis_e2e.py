@@ -94,8 +94,8 @@ def test_messages_through_the_gateway_with_the_anthropic_sdk(gateway: ServedGate
     engine = raw.headers["x-agentgw-engine"]
     assert raw.headers["x-agentgw-session"] == "cc-session-1"
     _all_blocks_announced(gateway, "messages", body, engine)
-    # streamed, the next turns: Anthropic's event sequence relayed; the session leaves the
-    # first-turn pool once its prefix is cached, then stays home
+    # streamed, the next turns: Anthropic's event sequence relayed; the session stays where its
+    # prefix is
     homes = []
     for turns in (2, 3):
         nxt = _messages_body("cc-session-1", turns)
@@ -103,7 +103,7 @@ def test_messages_through_the_gateway_with_the_anthropic_sdk(gateway: ServedGate
             homes.append((s.headers["x-agentgw-engine"], s.headers["x-agentgw-reason"]))
             kinds = [json.loads(line[6:])["type"] for line in s.iter_lines() if line.startswith("data: ")]
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
-    assert homes[1] == (homes[0][0], "sticky"), (engine, homes)
+    assert homes == [(engine, "sticky"), (engine, "sticky")], homes
     s_json = httpx.get(f"{gateway.url}/v1/agent/sessions/cc-session-1", timeout=10).json()
     assert s_json["turns"] == 3 and s_json["home_engine"] == homes[1][0]
 

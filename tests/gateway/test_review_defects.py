@@ -53,7 +53,9 @@ def _config(*urls: str) -> dict[str, object]:
 def _decisions(gw: ServedGateway) -> float:
     text = httpx.get(gw.url + "/metrics", timeout=10).text
     return sum(
-        float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("agentgw_route_decisions_total{")
+        float(ln.rsplit(" ", 1)[1])
+        for ln in text.splitlines()
+        if ln.startswith("agentgw_route_decisions_total{")
     )
 
 

@@ -131,14 +131,12 @@ def test_ten_turn_session_stays_home_and_hits_prefix_cache(gateway: ServedGatewa
         ]
     first, rest = placements[0], placements[1:]
     assert first[1] == "first_turn", placements  # a long fresh prefill goes to the first-turn pool
-    homes = {p[0] for p in rest}
-    assert len(homes) == 1 and rest[0][1] == "warm", placements  # then one warm home
-    assert rest[0][2] == "rehome"
-    assert all(p[2] == "sticky" for p in rest[1:]), placements
-    # every warm turn after the move hits vLLM's prefix cache for (at least) the previous context
-    assert all(p[3] >= 512 for p in rest[1:]), placements
+    # no engine_ext here, so nothing moves the session's KV to a warm engine: it stays home
+    # (a warm engine would recompute the whole prefix), and every later turn hits its cache
+    assert all(p[0] == first[0] and p[2] == "sticky" for p in rest), placements
+    assert all(p[3] >= 512 for p in rest), placements
     state = httpx.get(f"{gateway.url}/v1/agent/sessions/ten-turn").json()
-    assert state["home_engine"] == rest[0][0] and state["turns"] == 10 and state["pool"] == "warm"
+    assert state["home_engine"] == first[0] and state["turns"] == 10 and state["pool"] == "first_turn"
     assert state["last_decision"]["reason"] == "sticky"
 
 

@@ -2,10 +2,12 @@
 
 - ``healthy``: engines whose health probe passes.
 - ``model``: engines that serve the requested model.
-- ``pool_role(threshold)``: the first-turn / warm split keyed on *estimated uncached tokens*
-  ``u = prompt_tokens - max_e cached_e`` (best prefix match over all engines, any medium):
-  ``u >= threshold`` -> engines of ``first_turn`` pools, else engines of ``warm`` pools; engines of
-  ``any`` pools are always kept. If the preferred role has no engine left, the other role is used,
+- ``pool_role(threshold)``: the first-turn / warm split keyed on the tokens a *warm* engine would
+  have to compute, ``u = prompt_tokens - max_{e warm or any} cached_e`` (best prefix match among
+  the warm side's engines, any medium): ``u >= threshold`` -> engines of ``first_turn`` pools, else
+  engines of ``warm`` pools; engines of ``any`` pools are always kept. So a session whose KV lives
+  only on its first-turn home stays there until the planner moves it to a warm engine (then
+  ``u`` is small): sending it warm without its KV would recompute the whole prefix. If the preferred role has no engine left, the other role is used,
   so a request is never refused for lack of a role.
 - ``saturation(max_queue)``: drop engines whose queue exceeds ``max_queue`` unless that would drop
   them all.
@@ -47,6 +49,10 @@ def estimated_uncached(req: RouteRequest, snap: Snapshot) -> int:
     return max(0, req.prompt_tokens - best * req.block_size)
 
 
+def _warm_side(snap: Snapshot, engine: str) -> bool:
+    return any(e.name == engine and e.role != PoolRole.FIRST_TURN for e in snap.engines)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolByUncached:
     threshold_tokens: int
@@ -55,7 +61,11 @@ class PoolByUncached:
     def filter(
         self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]
     ) -> Sequence[EngineView]:
-        fresh = estimated_uncached(req, snap) >= self.threshold_tokens
+        best = max(
+            (m.blocks for name, m in snap.matches.items() if _warm_side(snap, name)),
+            default=0,
+        )
+        fresh = max(0, req.prompt_tokens - best * req.block_size) >= self.threshold_tokens
         want = PoolRole.FIRST_TURN if fresh else PoolRole.WARM
         chosen = [e for e in engines if e.role in (want, PoolRole.ANY)]
         if any(e.role == want for e in chosen):
