@@ -403,7 +403,7 @@ def run_ttft(
     (evenly paced, never more than ``concurrency`` in flight), which measures the per-request cost
     below saturation.
     """
-    reqs = [(None, body)] if isinstance(body, bytes) else body
+    reqs: list[tuple[str | None, bytes]] = [(None, body)] if isinstance(body, bytes) else body
     load = _ttft_load(url, reqs, concurrency, duration_s, rate)
     try:
         import uvloop
@@ -600,7 +600,8 @@ def start_py_spy(pid: int, out: Path, duration_s: float, core: int | None) -> su
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [*pin_prefix(core), exe, "record", "--pid", str(pid), "--duration", str(max(1, int(duration_s)))]
-    argv += ["--rate", "250", "--nonblocking", "--function", "--format", "raw", "-o", str(out)]
+    argv += ["--rate", "250", "--nonblocking", "--subprocesses", "--function", "--format", "raw"]
+    argv += ["-o", str(out)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
