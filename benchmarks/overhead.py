@@ -57,18 +57,44 @@ from benchmarks._common import (
     wait_http_ok,
 )
 
-__all__ = ["Case", "Target", "large_body", "main", "run_ttft", "run_wrk", "small_body"]
+__all__ = [
+    "Bodies",
+    "Case",
+    "Target",
+    "agentic_bodies",
+    "large_body",
+    "main",
+    "run_ttft",
+    "run_wrk",
+    "small_body",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 WRK_SCRIPT = REPO / "benchmarks" / "wrk" / "post.lua"
+WRK_BODIES_SCRIPT = REPO / "benchmarks" / "wrk" / "bodies.lua"
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
-ALL_CASES = ("small-c1", "small-c64", "small-c256", "large-c1", "large-c64", "large-c256")
+ALL_CASES = (
+    "small-c1",
+    "small-c64",
+    "small-c256",
+    "large-c1",
+    "large-c64",
+    "large-c256",
+    "agentic-c1",
+    "agentic-c64",
+)
 PEERS = {"naive": ["naive"], "vllm-router": ["vllm-router-rr", "vllm-router-ca"]}
 
 # Port layout, relative to --port-base.
 ENGINE_OFFSETS = (1, 2)
-TARGET_OFFSETS = {"gateway": 100, "vllm-router-rr": 110, "vllm-router-ca": 111, "naive": 120}
+TARGET_OFFSETS = {
+    "gateway": 100,
+    "gateway-notok": 101,
+    "vllm-router-rr": 110,
+    "vllm-router-ca": 111,
+    "naive": 120,
+}
 
 _TEXT = (
     "the agent reads a file then calls a tool and writes the patch while the model keeps its cache "
@@ -118,6 +144,119 @@ def large_body(model: str = MODEL, target_bytes: int = 647_000) -> bytes:
     return json.dumps(req, separators=(",", ":")).encode()
 
 
+CHARS_PER_TOKEN = 3.84
+"""Characters per token of ``_TEXT``'s words through the tiny llama tokenizer (the 647 KB large
+body is 168K such tokens)."""
+
+
+def _words(rng: random.Random, n_chars: int) -> str:
+    words = _TEXT.split()
+    parts: list[str] = []
+    size = 0
+    while size < n_chars:
+        w = rng.choice(words)
+        parts.append(w)
+        size += len(w) + 1
+    return " ".join(parts)
+
+
+def agentic_bodies(
+    sessions: int = 16,
+    turns: int = 8,
+    first_tokens: int = 8_000,
+    last_tokens: int = 150_000,
+    system_tokens: int = 6_000,
+    model: str = MODEL,
+) -> list[tuple[str, bytes]]:
+    """Multi-turn agent sessions as ``(session_id, body)`` in sending order (turn 1 of every
+    session, then turn 2, ...). Every session starts with the same ``system_tokens`` system
+    prompt; turn k resends turn k-1's messages plus an assistant reply and a tool result, so the
+    context grows evenly from ``first_tokens`` to ``last_tokens`` (sized at ``CHARS_PER_TOKEN``).
+    """
+    system = _words(random.Random(0), int(system_tokens * CHARS_PER_TOKEN))
+    step = (last_tokens - first_tokens) / max(1, turns - 1)
+    out: list[tuple[str, list[dict]]] = []
+    per_session: list[list[list[dict]]] = []
+    for s in range(sessions):
+        rng = random.Random(1000 + s)
+        msgs: list[dict] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": _words(rng, int((first_tokens - system_tokens) * CHARS_PER_TOKEN))},
+        ]
+        history = [list(msgs)]
+        for _ in range(1, turns):
+            reply = _words(rng, 400)
+            msgs.append({"role": "assistant", "content": reply})
+            msgs.append({"role": "user", "content": _words(rng, int(step * CHARS_PER_TOKEN) - 400)})
+            history.append(list(msgs))
+        per_session.append(history)
+    for t in range(turns):
+        for s in range(sessions):
+            out.append((f"bench-s{s}", per_session[s][t]))
+    return [
+        (
+            sid,
+            json.dumps(
+                {"model": model, "messages": m, "max_tokens": 16, "temperature": 0.0, "stream": True},
+                separators=(",", ":"),
+            ).encode(),
+        )
+        for sid, m in out
+    ]
+
+
+@dataclass
+class Bodies:
+    """The bodies of every case, written once before timing: wrk reads them from files."""
+
+    dir: Path
+    requests: dict[str, list[tuple[str | None, bytes]]]
+    """size -> the (session id, body) list sent in order."""
+
+    def write(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for size, reqs in self.requests.items():
+            if len(reqs) == 1 and reqs[0][0] is None:
+                (self.dir / f"{size}.json").write_bytes(reqs[0][1])
+                continue
+            lines = []
+            for i, (sid, body) in enumerate(reqs):
+                path = self.dir / f"{size}-{i:04d}.json"
+                path.write_bytes(body)
+                lines.append(f"{path} {sid or '-'}")
+            (self.dir / f"{size}.index").write_text("\n".join(lines) + "\n")
+
+    def wrk_args(self, size: str) -> tuple[Path, Path]:
+        """(lua script, its argument) for ``size``."""
+        single = self.dir / f"{size}.json"
+        if single.exists():
+            return WRK_SCRIPT, single
+        return WRK_BODIES_SCRIPT, self.dir / f"{size}.index"
+
+    def sizes_note(self) -> dict[str, str]:
+        out = {}
+        for size, reqs in self.requests.items():
+            lens = [len(b) for _, b in reqs]
+            sess = {sid for sid, _ in reqs if sid}
+            note = f"{len(reqs)} bodies, {min(lens) / 1000:,.1f}-{max(lens) / 1000:,.1f} KB"
+            if sess:
+                note += f", {len(sess)} sessions (x-agent-session-id)"
+            out[size] = note
+        return out
+
+
+def make_bodies(dir: Path, args: argparse.Namespace) -> Bodies:
+    reqs: dict[str, list[tuple[str | None, bytes]]] = {
+        "small": [(None, small_body())],
+        "large": [(None, large_body())],
+    }
+    if any(c.size == "agentic" for c in args.case_list) or args.write_bodies:
+        reqs["agentic"] = list(
+            agentic_bodies(args.agentic_sessions, args.agentic_turns, args.agentic_first, args.agentic_last)
+        )
+    return Bodies(dir, reqs)
+
+
 # ---------------------------------------------------------------------------------------------
 # load generators
 
@@ -134,12 +273,19 @@ class Case:
     @classmethod
     def parse(cls, text: str) -> Case:
         size, _, conc = text.partition("-c")
-        if size not in ("small", "large") or not conc.isdigit() or int(conc) < 1:
-            raise ValueError(f"bad case {text!r}: expected small-cN or large-cN")
+        if size not in ("small", "large", "agentic") or not conc.isdigit() or int(conc) < 1:
+            raise ValueError(f"bad case {text!r}: expected small-cN, large-cN or agentic-cN")
         return cls(size, int(conc))
 
 
-def run_wrk(url: str, body_path: Path, concurrency: int, duration_s: float, load_core: int | None) -> dict:
+def run_wrk(
+    url: str,
+    body_path: Path,
+    concurrency: int,
+    duration_s: float,
+    load_core: int | None,
+    script: Path = WRK_SCRIPT,
+) -> dict:
     """One ``wrk`` run; latencies in ms. Raises ``RuntimeError`` when wrk prints no summary."""
     argv = [
         *pin_prefix(load_core),
@@ -150,7 +296,7 @@ def run_wrk(url: str, body_path: Path, concurrency: int, duration_s: float, load
         "--timeout",
         "10s",
         "-s",
-        str(WRK_SCRIPT),
+        str(script),
         url,
         "--",
         str(body_path),
@@ -161,7 +307,10 @@ def run_wrk(url: str, body_path: Path, concurrency: int, duration_s: float, load
             raw = json.loads(line[len("WRK_JSON ") :])
             break
     else:
-        raise RuntimeError(f"wrk printed no summary (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"wrk printed no summary (rc {proc.returncode}): {proc.stderr.strip()[-500:]} "
+            f"{proc.stdout.strip()[-500:]}"
+        )
     out = {
         "requests": raw["requests"],
         "rps": raw["requests"] / (raw["duration_us"] / 1e6),
@@ -174,26 +323,32 @@ def run_wrk(url: str, body_path: Path, concurrency: int, duration_s: float, load
     return out
 
 
-async def _ttft_load(url: str, body: bytes, concurrency: int, duration_s: float, rate: float) -> dict:
+async def _ttft_load(
+    url: str, reqs: list[tuple[str | None, bytes]], concurrency: int, duration_s: float, rate: float
+) -> dict:
     loop = asyncio.get_running_loop()
+    seq = 0
     interval = concurrency / rate if rate > 0 else 0.0  # each worker's pace when a rate is set
     ttfts: list[float] = []
     totals: list[float] = []
     errors = 0
-    headers = {"Content-Type": "application/json"}
+    base_headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         deadline = loop.time() + duration_s
 
         async def worker(phase: float) -> None:
-            nonlocal errors
+            nonlocal errors, seq
             warm = False
             next_at = loop.time() + phase
             while loop.time() < deadline:
                 if interval:
                     await asyncio.sleep(max(0.0, next_at - loop.time()))
                     next_at = max(next_at + interval, loop.time())
+                sid, body = reqs[seq % len(reqs)]
+                seq += 1
+                headers = base_headers if sid is None else {**base_headers, "x-agent-session-id": sid}
                 t0 = time.perf_counter()
                 t_first = None
                 try:
@@ -231,15 +386,25 @@ async def _ttft_load(url: str, body: bytes, concurrency: int, duration_s: float,
     }
 
 
-def run_ttft(url: str, body: bytes, concurrency: int, duration_s: float, rate: float = 0.0) -> dict:
+def run_ttft(
+    url: str,
+    body: bytes | list[tuple[str | None, bytes]],
+    concurrency: int,
+    duration_s: float,
+    rate: float = 0.0,
+) -> dict:
     """TTFT from ``concurrency`` workers on this process's core (uvloop when present).
+
+    ``body``: one body, or ``(session id, body)`` pairs sent in turn (the id as
+    ``x-agent-session-id`` when not None).
 
     ``rate`` 0: closed loop, each worker sends its next request as soon as the last one ends, so at
     saturation TTFT is mostly queueing. ``rate`` > 0: the workers together offer ``rate`` req/s
     (evenly paced, never more than ``concurrency`` in flight), which measures the per-request cost
     below saturation.
     """
-    load = _ttft_load(url, body, concurrency, duration_s, rate)
+    reqs: list[tuple[str | None, bytes]] = [(None, body)] if isinstance(body, bytes) else body
+    load = _ttft_load(url, reqs, concurrency, duration_s, rate)
     try:
         import uvloop
     except ImportError:
@@ -300,7 +465,8 @@ class Bench:
 
     def start_target(self, name: str) -> None:
         starters: dict[str, Callable[[], tuple[list[str], int, str] | str]] = {
-            "gateway": self._gateway_argv,
+            "gateway": lambda: self._gateway_argv("gateway", tokenizer=True),
+            "gateway-notok": lambda: self._gateway_argv("gateway-notok", tokenizer=False),
             "naive": self._naive_argv,
             "vllm-router-rr": lambda: self._vllm_router_argv("vllm-router-rr", "round_robin"),
             "vllm-router-ca": lambda: self._vllm_router_argv("vllm-router-ca", "cache_aware"),
@@ -327,9 +493,15 @@ class Bench:
             ) from exc
         self.targets.append(target)
 
-    def _gateway_argv(self) -> tuple[list[str], int, str] | str:
-        port = self.port(TARGET_OFFSETS["gateway"])
-        config = self.workdir / "gateway.yaml"
+    def _gateway_argv(self, name: str, tokenizer: bool) -> tuple[list[str], int, str] | str:
+        port = self.port(TARGET_OFFSETS[name])
+        config = self.workdir / f"{name}.yaml"
+        models = ""
+        if tokenizer:
+            models = (
+                f'models:\n  - {{name: {MODEL}, tokenizer: "{self.tokenizer_dir()}"}}\n'
+                f"analysis: {{mode: {self.args.analysis_mode}}}\n"
+            )
         engines = "\n".join(
             f'      - {{name: fake{i}, url: "{url}", model: {MODEL}}}'
             for i, url in enumerate(self.engine_urls())
@@ -340,7 +512,7 @@ class Bench:
             "  - name: warm\n"
             "    role: any\n"
             "    engines:\n"
-            f"{engines}\n"
+            f"{engines}\n" + models
         )
         if self.args.gateway_cmd:
             fmt = {"config": str(config), "port": str(port), "python": sys.executable}
@@ -348,6 +520,12 @@ class Bench:
         if not (REPO / "gateway" / "__main__.py").exists():
             return "gateway/__main__.py does not exist yet (or pass --gateway-cmd)"
         return [sys.executable, "-m", "gateway", "serve", "--config", str(config)], port, "/ready"
+
+    def tokenizer_dir(self) -> Path:
+        """The tiny llama model (tokenizer.json + chat template), built once into a cache dir."""
+        from gateway.local.tiny_model import build_tiny_model
+
+        return build_tiny_model(self.args.tokenizer_dir, "llama")
 
     def _naive_argv(self) -> tuple[list[str], int, str]:
         port = self.port(TARGET_OFFSETS["naive"])
@@ -391,7 +569,7 @@ def _default_vllm_router_bin() -> str:
 # measuring and reporting
 
 
-def measure(bench: Bench, target: Target, case: Case, bodies: dict[str, Path], rep: int) -> dict:
+def measure(bench: Bench, target: Target, case: Case, bodies: Bodies, rep: int) -> dict:
     args = bench.args
     load_core = None if args.no_pin else args.load_core
     pid = target.proc.pid
@@ -402,14 +580,15 @@ def measure(bench: Bench, target: Target, case: Case, bodies: dict[str, Path], r
         )
     cpu0 = cpu_seconds(pid)
     row: dict = {"target": target.name, "case": case.name}
-    row.update(run_wrk(target.url, bodies[case.size], case.concurrency, args.duration, load_core))
+    script, arg = bodies.wrk_args(case.size)
+    row.update(run_wrk(target.url, arg, case.concurrency, args.duration, load_core, script))
     if row["requests"]:
         row["cpu_us_per_req"] = (cpu_seconds(pid) - cpu0) / row["requests"] * 1e6
     if spy is not None:
         spy.wait(60)
     if case.concurrency in args.ttft_conc:
-        body = bodies[case.size].read_bytes()
-        row.update(run_ttft(target.url, body, case.concurrency, args.duration, args.ttft_rate))
+        reqs = bodies.requests[case.size]
+        row.update(run_ttft(target.url, reqs, case.concurrency, args.duration, args.ttft_rate))
     row["peak_rss_mib"] = peak_rss_kib(pid) / 1024
     if target.proc.proc.poll() is not None:
         raise RuntimeError(f"{target.name} exited during {case.name}:\n{target.proc.log_tail()}")
@@ -421,7 +600,8 @@ def start_py_spy(pid: int, out: Path, duration_s: float, core: int | None) -> su
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [*pin_prefix(core), exe, "record", "--pid", str(pid), "--duration", str(max(1, int(duration_s)))]
-    argv += ["--rate", "250", "--nonblocking", "--function", "--format", "raw", "-o", str(out)]
+    argv += ["--rate", "250", "--nonblocking", "--subprocesses", "--function", "--format", "raw"]
+    argv += ["-o", str(out)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -486,6 +666,56 @@ def summarize(runs: list[dict], targets: list[str], cases: list[Case]) -> list[d
             if m in row and m in base:
                 row["added_" + m] = row[m] - base[m]
     return rows
+
+
+def target_setup(name: str, args: argparse.Namespace) -> str:
+    """What ``name`` ran, in words (printed under the table and stored in the JSON)."""
+    if name == "direct":
+        return "engine 0 itself (benchmarks.fake_engine), no router"
+    if name == "gateway":
+        return (
+            f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode}, "
+            "exact vLLM block hashes, block 128), hints ON for agentic bodies "
+            "(x-agent-session-id; small/large send none), KV events OFF: the prefix index is "
+            "updated from routing decisions (as vllm-router cache_aware)"
+        )
+    if name == "gateway-notok":
+        return (
+            "agentgw, profile agentic, tokenizer OFF (approximate index: 512-char text chunks, "
+            "updated from routing; the small body is under one chunk), hints as the bodies send "
+            "them, KV events OFF"
+        )
+    if name == "vllm-router-ca":
+        return "vllm-router 0.1.17 --policy cache_aware (char radix tree updated on every request)"
+    if name == "vllm-router-rr":
+        return "vllm-router 0.1.17 --policy round_robin"
+    if name == "naive":
+        return "benchmarks.naive_proxy (FastAPI + httpx + StreamingResponse, round robin)"
+    return name
+
+
+def render_ratios(rows: list[dict]) -> str:
+    """gateway against vllm-router cache_aware (and the naive proxy) per case, in the same run."""
+    by = {(r["target"], r["case"]): r for r in rows}
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    head = "| case | ours | vs | req/s ratio | p50 ratio | p99 ratio | TTFT p50 ratio |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for ours in ("gateway", "gateway-notok"):
+        for peer in ("vllm-router-ca", "naive"):
+            for case in cases:
+                a, b = by.get((ours, case)), by.get((peer, case))
+                if a is None or b is None:
+                    continue
+
+                def ratio(m: str, a: dict = a, b: dict = b) -> str:
+                    x, y = a.get(m), b.get(m)
+                    return f"{x / y:.2f}" if x is not None and y else "-"
+
+                lines.append(
+                    f"| {case} | {ours} | {peer} | {ratio('rps')} | {ratio('p50_ms')} | "
+                    f"{ratio('p99_ms')} | {ratio('ttft_p50_ms')} |"
+                )
+    return "\n".join(lines)
 
 
 def _fmt(v: float | None, nd: int = 2) -> str:
@@ -583,7 +813,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--py-spy", type=Path, help="profile targets during wrk runs; stacks go in this folder")
     ap.add_argument("--py-spy-targets", default="gateway", help="comma list of targets to profile")
     ap.add_argument("--json", type=Path, help="write every run and the summary here")
-    ap.add_argument("--write-bodies", type=Path, help="write small.json and large.json here and exit")
+    ap.add_argument("--write-bodies", type=Path, help="write every case's bodies here and exit")
+    ap.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "agentgw-bench-tiny-llama",
+        help="where the tiny llama model (the gateway target's tokenizer) is built once",
+    )
+    ap.add_argument(
+        "--analysis-mode", default="process", help="gateway's analysis.mode (its default: process)"
+    )
+    ap.add_argument("--agentic-sessions", type=int, default=16, help="sessions of the agentic mix")
+    ap.add_argument("--agentic-turns", type=int, default=8, help="turns per session")
+    ap.add_argument("--agentic-first", type=int, default=8_000, help="first turn's tokens")
+    ap.add_argument("--agentic-last", type=int, default=150_000, help="last turn's tokens")
     args = ap.parse_args(argv)
     args.case_list = [Case.parse(c) for c in args.cases.split(",") if c]
     args.ttft_conc = {int(c) for c in args.ttft_conc.split(",") if c}
@@ -594,6 +837,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
         names += PEERS[peer]
     known = {"direct", *TARGET_OFFSETS}
+    if args.write_bodies:
+        args.case_list.append(Case("agentic", 1))
     for n in names:
         if n not in known:
             ap.error(f"unknown target {n!r}; known: {', '.join(sorted(known))}")
@@ -610,13 +855,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="agentgw-overhead-") as tmp:
         workdir = Path(tmp)
-        body_dir = args.write_bodies or workdir
-        body_dir.mkdir(parents=True, exist_ok=True)
-        bodies = {"small": body_dir / "small.json", "large": body_dir / "large.json"}
-        bodies["small"].write_bytes(small_body())
-        bodies["large"].write_bytes(large_body())
+        bodies = make_bodies(args.write_bodies or workdir / "bodies", args)
+        bodies.write()
         if args.write_bodies:
-            print(f"wrote {bodies['small']} and {bodies['large']}")
+            print(f"wrote {', '.join(bodies.requests)} bodies into {bodies.dir}")
             return 0
         if shutil.which("wrk") is None:
             print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
@@ -633,8 +875,10 @@ def main(argv: list[str] | None = None) -> int:
             load_core = None if args.no_pin else args.load_core
             if args.warmup > 0:
                 for t in bench.targets:
-                    for size, conc in (("small", 16), ("large", 4)):
-                        run_wrk(t.url, bodies[size], conc, args.warmup, load_core)
+                    for size, conc in (("small", 16), ("large", 4), ("agentic", 4)):
+                        if size in bodies.requests:
+                            script, arg = bodies.wrk_args(size)
+                            run_wrk(t.url, arg, conc, args.warmup, load_core, script)
             targets = bench.targets
             for rep in range(args.repeat):
                 order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
@@ -656,6 +900,15 @@ def main(argv: list[str] | None = None) -> int:
         notes["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
         rows = summarize(runs, [t.name for t in bench.targets], args.case_list)
         print(render_table(rows))
+        print()
+        print(render_ratios(rows))
+        print()
+        sizes = bodies.sizes_note()
+        print("what each row ran:")
+        for t in bench.targets:
+            print(f"  {t.name}: {target_setup(t.name, args)}")
+        for case in dict.fromkeys(c.size for c in args.case_list):
+            print(f"  {case} bodies: {sizes[case]}")
         for t in bench.targets:
             peak = max((r["peak_rss_mib"] for r in runs if r["target"] == t.name), default=0.0)
             print(f"peak RSS {t.name}: {peak:.0f} MiB")
@@ -677,7 +930,8 @@ def main(argv: list[str] | None = None) -> int:
                     for a in [sys.executable, "-m", "benchmarks.overhead", *(argv or sys.argv[1:])]
                 ),
                 "machine": notes,
-                "body_bytes": {k: p.stat().st_size for k, p in bodies.items()},
+                "bodies": bodies.sizes_note(),
+                "setup": {t.name: target_setup(t.name, args) for t in bench.targets},
                 "summary": rows,
                 "runs": runs,
                 "skipped": bench.skipped,
