@@ -59,6 +59,11 @@ if [ "$(npm_version @anthropic-ai/claude-code)" != "$CLAUDE_CODE_VERSION" ] ||
    [ "$(npm_version @openai/codex)" != "$CODEX_VERSION" ]; then
   echo "setup: installing Claude Code $CLAUDE_CODE_VERSION and Codex $CODEX_VERSION (npm, into $NPM_PREFIX)"
   mkdir -p "$NPM_PREFIX"
+  # Node trusts only its bundled CAs; trust the system's too (what pip and curl use here), so a
+  # TLS-inspecting proxy whose CA the system trusts works in a bare environment (env -i) as well
+  if [ -z "${NODE_EXTRA_CA_CERTS:-}" ] && [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    export NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt
+  fi
   npm install --prefix "$NPM_PREFIX" --no-save --no-audit --no-fund --loglevel=error \
     "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
 fi
