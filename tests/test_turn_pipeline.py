@@ -139,7 +139,7 @@ def test_the_service_and_the_simulator_route_the_same_turns_to_the_same_engines(
     assert len(simulated) == len(served) == len(turns)
     assert simulated == served
     # and the turns exercised more than stickiness: new sessions placed on two engines at least
-    # (by prefix, by the load homed on each engine: the ledger both sides keep)
+    # (by prefix), the subagent by its parent
     reasons = {reason for _, reason in served}
-    assert {"sticky", "new_session"} <= reasons, served
+    assert {"sticky", "new_session", "subagent_parent"} <= reasons, served
     assert len({engine for engine, _ in served}) >= 2, served

@@ -5,8 +5,8 @@ immutable and pure: the same request and snapshot always give the same decision.
 
 Profiles:
 - ``agentic`` (ours): healthy, model, pool_role, saturation -> prefix, session_affinity,
-  parent_prefix, spread, queue, kv_usage, home_load (5; it needs the views' homed-session field,
-  all-equal without it), interference (0 unless set) -> sticky_bounded. ``pool_role`` is the work-conserving
+  parent_prefix, spread, queue, kv_usage, home_load (0 unless configured: the home ledger feeds it),
+  interference (0 unless set) -> sticky_bounded. ``pool_role`` is the work-conserving
   ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
   ``cost_*`` parameters) or the fixed threshold on estimated uncached tokens (``split="wall"``,
   the default until the service fills the engine views' decode and backlog fields:
@@ -78,9 +78,11 @@ class RoutingParams:
             "spread": 1.0,
             "queue": 1.0,
             "kv_usage": 0.5,
-            # balances decoding KV across engines (docs/benchmarks_sim.md, issue 12); no effect
-            # until the engine views carry homed_tokens (all equal scores)
-            "home_load": 5.0,
+            # balances decoding KV across engines: +4 lanes at the SLO on the Weka dev trace in
+            # the simulator at weight 5 (docs/benchmarks_sim.md, `+bal`), but it also sends
+            # subagents and new sessions away from a cached parent prefix, which on a small fleet
+            # recomputes it (the 3-engine routing e2e test): opt-in, `routing.weights.home_load`
+            "home_load": 0.0,
         }
     )
 
@@ -120,7 +122,7 @@ def _agentic(p: RoutingParams) -> Profile:
             Weighted(QueueScorer(), _w(p, "queue", 1.0)),
             Weighted(KvUsageScorer(), _w(p, "kv_usage", 0.5)),
             Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference", 0.0)),
-            Weighted(HomeLoadScorer(), _w(p, "home_load", 5.0)),
+            Weighted(HomeLoadScorer(), _w(p, "home_load", 0.0)),
         ),
         StickyBounded(p.sticky_max_queue, p.prefill_s_per_token, p.queue_s_per_request),
     )
