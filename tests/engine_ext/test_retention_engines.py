@@ -24,7 +24,6 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -187,40 +186,3 @@ def test_selective_keeps_only_repeated_prefixes_while_interval_keeps_every_delta
     assert sel["third_visit: loaded_blocks"] == PREFIX_BLOCKS
     assert sel["third_visit: tier_stored"] == 0
     assert itv["third_visit: loaded_blocks"] == PREFIX_BLOCKS
-
-
-def test_both_engines_load_from_mooncake_at_the_same_moment(retention_engines: dict[str, Engine]) -> None:
-    """The cross-engine concurrent load (issue 14, item 5), bounded: each engine's prefix is in
-    Mooncake (objects placed in either engine's segment), out of both engines' device and host
-    tiers, and both engines are asked for it at the same moment. Every chunk must load: a load
-    that outlives the master's lease fails (LEASE_EXPIRED) and shows as a load failure."""
-    rng = random.Random(5151)
-    prefixes = {name: tokens(rng, PROMPT) for name in retention_engines}
-    for _ in range(2):  # selective keeps a prefix at its second sighting, interval at its first
-        for name, engine in retention_engines.items():
-            complete(engine, prefixes[name], max_tokens=1)
-            for _ in range(7):
-                complete(engine, tokens(rng, PROMPT), max_tokens=1)
-    before = {name: (settled(e), metrics(e)) for name, e in retention_engines.items()}
-
-    def visit(name: str) -> float:
-        start = time.monotonic()
-        complete(retention_engines[name], prefixes[name], max_tokens=1)
-        return time.monotonic() - start
-
-    with ThreadPoolExecutor(len(retention_engines)) as pool:
-        seconds = dict(zip(retention_engines, pool.map(visit, list(retention_engines)), strict=True))
-    report = {}
-    for name, engine in retention_engines.items():
-        tier, engine_metrics = settled(engine), metrics(engine)
-        report[name] = {
-            "request_s": round(seconds[name], 2),
-            "tier_load_s": round(tier["load_seconds"] - before[name][0]["load_seconds"], 2),
-            "loaded_chunks": tier["loaded_chunks"] - before[name][0]["loaded_chunks"],
-            "load_failures": tier["load_failures"] - before[name][0]["load_failures"],
-            "loaded_blocks": delta(engine_metrics, before[name][1], "source:external_kv_transfer") / BLOCK,
-        }
-    print(f"concurrent cross-engine loads: {json.dumps(report)}")
-    for name, row in report.items():
-        assert row["load_failures"] == 0, (name, row)
-        assert row["loaded_blocks"] == PREFIX_BLOCKS, (name, row)
