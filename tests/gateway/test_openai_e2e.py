@@ -47,8 +47,23 @@ def test_completions_streamed_and_not(gateway: ServedGateway) -> None:
     c = client(gateway)
     out = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
     assert out.choices[0].text is not None and out.usage.completion_tokens > 0
-    parts = list(c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, stream=True))
-    assert len(parts) >= 2
+    parts = list(
+        c.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    # How many chunks carry the text is up to the engine: a loaded vLLM merges pending deltas into
+    # one (CI saw all 6 tokens in a single chunk). What is fixed: text chunks that end with the
+    # finish reason, then a usage-only chunk counting every token.
+    assert all(isinstance(p.choices[0].text, str) for p in parts if p.choices)
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    assert parts[-1].choices == [] and parts[-1].usage is not None
+    assert parts[-1].usage.completion_tokens == 6
 
 
 def test_models_lists_the_served_model(gateway: ServedGateway) -> None:
