@@ -119,7 +119,9 @@ def test_breaker_stops_calling_a_dead_master_and_closes_when_it_is_back(
 
 
 @pytest.fixture(scope="module")
-def engine_and_master(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Any]]:
+def engine_and_master(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Any]]:
     """One tiny-Llama engine with the host and Mooncake tiers, on a master of its own."""
     logs = tmp_path_factory.mktemp("mooncake-faults")
     m = MooncakeMaster(logs / "master.log").start()
