@@ -114,6 +114,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
             error_body(exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
             media_type="application/json",
+            headers=exc.headers,  # e.g. the Allow header of a 405 (RFC 9110)
         )
 
     @api.exception_handler(RequestValidationError)
@@ -135,6 +136,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
                 error_body(405, f"use POST for {request.url.path}"),
                 status_code=405,
                 media_type="application/json",
+                headers={"Allow": "POST"},
             )
 
     return GatewayApp(api)
