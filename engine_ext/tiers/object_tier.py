@@ -29,11 +29,11 @@ dtype (bf16/fp16) and is lossy, so it suits attention KV, not Mamba state. FP8 o
 `loaded_bytes` count KV bytes (host-chunk bytes) in both formats.
 
 Store outages (the master killed or restarting): the store sits behind
-`engine_ext.tiers.breaker.GuardedStore`. A store job (and an FP8 load) first asks whether its first
-object exists: an existence check fails at once when the master is gone, where a put (or
-`get_batch`) retries for seconds, so an outage costs one fast failed call; then the breaker answers every call at once for
-`breaker_cooldown_s` (default 2 s): lookups are misses, loads fail, stores are dropped, and vLLM
-recomputes. Counted in `unavailable_lookups`, `unavailable_loads`, `unavailable_stores` (chunks)
+`engine_ext.tiers.breaker.GuardedStore`. A store job (and an FP8 load) first asks whether
+its first object exists: an existence check fails at once when the master is gone, where a put
+(or `get_batch`) retries for seconds, so an outage costs one fast failed call; then the breaker
+answers every call at once for `breaker_cooldown_s` (default 2 s): lookups are misses, loads
+fail, stores are dropped, and vLLM recomputes. Counted in `unavailable_lookups`, `unavailable_loads`, `unavailable_stores` (chunks)
 and `vllm:agentgw_tier_unavailable`; the breaker's own counters are in `stats()["breaker"]`. A
 master restart loses every key, so the keys remembered as present are forgotten when the breaker
 trips, and any such key a lookup finds missing is forgotten too: offload resumes after the
