@@ -13,17 +13,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")  # the dev extra installs it (scripts/setup.sh)
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+import schemathesis  # the dev extra (pinned) installs it: scripts/setup.sh
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
 
-from tests.conftest import ServedGateway, fake_engine, wait_ready  # noqa: E402
+from tests.conftest import ServedGateway, fake_engine, wait_ready
 
 SPEC = Path(__file__).resolve().parents[2] / "openapi" / "agentgw.yaml"
 MODEL = "bench-model"
