@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_time is not None:
                 cmd += ["--max-time", str(args.max_time)]
             print("$", " ".join(cmd), flush=True)
-            return subprocess.call(cmd, cwd=ROOT)
+            return subprocess.call(cmd, cwd=work)  # its crash cache stays out of the tree
         finally:
             for p in reversed(procs):
                 p.stop()
