@@ -25,21 +25,20 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from engine_ext import config
-from gateway.local.engines import EngineSpec, free_ports
+from gateway.local.engines import free_ports
 from gateway.local.mooncake import MooncakeMaster
 from tests.engine_ext.offload_support import (
     BLOCK,
     BLOCK_BYTES,
-    CONTROL_TOKEN,
     Engine,
     complete,
     delta,
     metrics,
+    plugin_engine,
+    plugin_kv,
     running_engines,
     tier_stats,
     tokens,
@@ -82,28 +81,14 @@ def retention_engines(
     ports = free_ports(4, PORTS)
     specs = []
     for i, policy in enumerate(POLICIES):
-        kv: dict[str, Any] = config.kv_transfer_config(
+        kv = plugin_kv(
             HOST_CHUNKS * BLOCK_BYTES,
-            control_port=ports[2 + i],
-            control_token=CONTROL_TOKEN,
-            mooncake_master=mooncake.master_address,
-            mooncake_metadata=mooncake.metadata_server,
+            ports[2 + i],
+            mooncake=mooncake,
             retention={"policy": policy},
+            key_namespace=f"retention-{policy}",
         )
-        kv["kv_connector_extra_config"]["secondary_tiers"][0]["key_namespace"] = f"retention-{policy}"
-        specs.append(
-            EngineSpec(
-                name=policy,
-                model_dir=tiny_llama,
-                served_model_name="tiny-llama",
-                port=ports[i],
-                log_path=logs / f"{policy}.log",
-                max_model_len=4096,
-                num_gpu_blocks_override=DEVICE_BLOCKS,
-                extra_args=("--kv-transfer-config", json.dumps(kv)),
-                extra_env=MooncakeMaster.client_env,
-            )
-        )
+        specs.append(plugin_engine(policy, tiny_llama, logs, ports[i], kv, device_blocks=DEVICE_BLOCKS))
     with running_engines(specs, ports[2 : 2 + len(specs)]) as engines:
         yield engines
 
