@@ -18,7 +18,10 @@ A time budget (``--budget-s``, default 100 s) skips what is left, so the run end
 
 On a machine without CUDA (``--device cpu`` or no GPU): the torch reference only, checked against
 a per-block ``select`` loop, on a CPU-platform geometry (block size 128), plus the CPU memcpy
-peak. ``--quick`` shrinks everything (used by the test suite).
+peak. ``--quick`` shrinks everything (used by the test suite). With ``TRITON_INTERPRET=1`` the CPU
+run also checks the Triton kernels' parity (``interpret_parity``: the same gather / scatter /
+copy calls the CUDA run makes, on CPU tensors under Triton's interpreter; no timing): a smoke
+test of the kernels this script times on the H200, runnable in CI.
 
 Usage: ``python benchmarks/kv_copy_gpu.py [--device auto|cuda|cpu] [--quick] [--iters N] [--threads N]``
 """
@@ -26,6 +29,7 @@ Usage: ``python benchmarks/kv_copy_gpu.py [--device auto|cuda|cpu] [--quick] [--
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -334,6 +338,34 @@ def run_cpu(bench: Bench, quick: bool) -> None:
             )
 
 
+def interpret_parity(bench: Bench) -> None:
+    """The CUDA run's Triton calls on CPU tensors under ``TRITON_INTERPRET=1``, checked against the
+    reference (every quick geometry: the CPU layout and FlashAttention's K/V split)."""
+    from kernels import kv_copy
+
+    cpu = torch.device("cpu")
+    gen = torch.Generator().manual_seed(1)
+    for geo in QUICK_CPU_GEOMETRIES:
+        bd = geo.block_dim
+        caches = make_caches(geo, geo.num_blocks, cpu)
+        row = reference.block_nbytes(caches, bd)
+        n = geo.id_counts[0]
+        label = f"{geo.name} x{n} triton-interp"
+        ids = torch.randperm(geo.num_blocks, generator=gen)[:n]
+        expected = reference.gather_blocks(caches, ids, _rows(n, row, cpu), block_dim=bd)
+        got = kv_copy.gather_blocks(caches, ids, _rows(n, row, cpu), block_dim=bd)
+        bench.check(f"{label} gather", torch.equal(got, expected))
+        fresh = torch.randint(0, 256, (n, row), dtype=torch.uint8, generator=gen)
+        kv_copy.scatter_blocks(fresh, caches, ids, block_dim=bd)
+        bench.check(f"{label} scatter", torch.equal(_gather_ref(caches, ids, bd, cpu), fresh))
+        host_blocks = n + 4
+        host = make_caches(geo, host_blocks, cpu)
+        host_ids = torch.randperm(host_blocks, generator=gen)[:n]
+        kv_copy.copy_blocks(caches, host, ids, host_ids, block_dim=bd)
+        bench.check(f"{label} copy", torch.equal(_gather_ref(host, host_ids, bd, cpu), fresh))
+        print(f"{label}: gather, scatter, copy checked against the reference", flush=True)
+
+
 def print_table(rows: list[Row]) -> None:
     header = f"{'geometry x ids':<26} {'op':<12} {'impl':<10} {'MB':>9} {'ms':>9} {'GB/s':>8} {'% memcpy':>9}"
     print(header)
@@ -371,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             f"device: cpu ({torch.get_num_threads()} threads), torch reference only  torch {torch.__version__}"
         )
         run_cpu(bench, args.quick)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            interpret_parity(bench)
     print_table(bench.rows)
     if bench.skipped:
         print(f"skipped {bench.skipped} measurements: time budget of {args.budget_s:.0f} s spent")

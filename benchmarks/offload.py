@@ -16,6 +16,7 @@ prefix cache was dropped (`/reset_prefix_cache`, dev mode), (c) a local device-c
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -79,13 +80,17 @@ def memcpy_gbps(nbytes: int = 256 << 20) -> float:
     return nbytes / _best(lambda: np.copyto(dst, src)) / 1e9
 
 
-def host_tier_gbps(num_blocks: int = 2048, rounds: int = 9) -> dict[str, dict[str, float]]:
+def host_tier_gbps(num_blocks: int = 2048, rounds: int = 15) -> dict[str, dict[str, float]]:
     """`HostCopyWorker` (through `kernels`) store and load, next to memcpy of the same bytes.
 
     Device blocks are a random permutation (as after churn); host chunks are either a contiguous
     run (what a fresh host tier hands out) or a random permutation too (a churned host tier).
     Baseline: one `Tensor.copy_` per block from Python, what the worker did before `kernels/`
-    (its runs of consecutive blocks are all of length 1 here).
+    (its runs of consecutive blocks are all of length 1 here). Two reference rows say where the
+    ceiling is: one contiguous memcpy between the worker's own device tensor and host region
+    (the same buffers, no scatter), and one `memmove` per block over the load's scattered ids
+    (libc, no ATen: what a scattered copy of these pages costs at best, less ~0.3 us of Python
+    per block).
     """
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
@@ -111,6 +116,19 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 9) -> dict[str, dict[st
     host_scattered = CPULoadStoreSpec(rng.sample(range(num_blocks), num_blocks))
     host_copy = torch.empty_like(device)
     perm_list = list(perm)
+    host_view = worker._groups[0].host_columns[0][0]  # (num_chunks, page) rows of the region
+    assert host_view.is_contiguous() and host_view.shape == device.shape
+    host_ptr, dev_ptr, nbytes = host_view.data_ptr(), device.data_ptr(), num_blocks * BLOCK_BYTES
+    del host_view  # a live view would keep the region's mmap from closing at shutdown
+    load_pairs = [(dev_ptr + d * BLOCK_BYTES, host_ptr + h * BLOCK_BYTES) for h, d in enumerate(perm)]
+
+    def same_buffers_memcpy() -> None:
+        ctypes.memmove(dev_ptr, host_ptr, nbytes)
+
+    def per_block_memmove() -> None:
+        move = ctypes.memmove
+        for dst, src in load_pairs:
+            move(dst, src, BLOCK_BYTES)
 
     def per_block_loop() -> None:  # what HostCopyWorker did before it used kernels/
         for i, block in enumerate(perm_list):
@@ -118,6 +136,8 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 9) -> dict[str, dict[st
 
     ops = {
         "per-block copy_ loop (baseline)": per_block_loop,
+        "ref: memcpy host region -> device": same_buffers_memcpy,
+        "ref: memmove per block (load ids)": per_block_memmove,
         "store (host chunks contiguous)": lambda: worker.submit_store(1, dev_spec, host_run),
         "load (host chunks contiguous)": lambda: worker.submit_load(2, host_run, dev_spec),
         "store (both scattered)": lambda: worker.submit_store(3, dev_spec, host_scattered),

@@ -40,7 +40,8 @@ trips, and any such key a lookup finds missing is forgotten too: offload resumes
 restart with the next stores.
 
 Parameters (tier config): `key_namespace` (default "agentgw"), `io_threads` (4),
-`load_parallelism` (4), `verify_checksum` (true), `max_key_cache` (65536), `retention`,
+`load_parallelism` (4), `lease_retries` (2: keys a get failed with LEASE_EXPIRED are read
+again, `lease_retries` counts them), `verify_checksum` (true), `max_key_cache` (65536), `retention`,
 `object_format` ("raw"), `fp8_group` (128), `breaker_cooldown_s` (2.0).
 """
 
@@ -84,7 +85,7 @@ from vllm.v1.kv_offload.tiering.base import (
 import kernels
 from engine_ext.retention import make_retention, offers
 from engine_ext.tiers.breaker import GuardedStore
-from engine_ext.tiers.store import ObjectStore, StoreUnavailable
+from engine_ext.tiers.store import ObjectStore, StoreUnavailable, get_into_renewing_leases
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -121,6 +122,7 @@ class TierCounters:
         self.unavailable_lookups = 0
         self.unavailable_loads = 0
         self.unavailable_stores = 0
+        self.lease_retries = 0
         self.store_seconds = 0.0
         self.load_seconds = 0.0
 
@@ -153,6 +155,7 @@ class ObjectStoreTier(SecondaryTierManager):
         key_namespace: str = "agentgw",
         io_threads: int = 4,
         load_parallelism: int = 4,
+        lease_retries: int = 2,
         verify_checksum: bool = True,
         max_key_cache: int = 65536,
         retention: dict[str, Any] | None = None,
@@ -183,6 +186,7 @@ class ObjectStoreTier(SecondaryTierManager):
         self.retention = make_retention(retention)
         self._verify = verify_checksum
         self._load_parallelism = max(1, load_parallelism)
+        self._lease_retries = max(0, lease_retries)
         primary = np.asarray(primary_kv_view)
         self._primary = primary
         self._base_ptr = int(primary.ctypes.data)
@@ -489,10 +493,22 @@ class ObjectStoreTier(SecondaryTierManager):
         if self._kv_dtype is not None:
             return self._load_fp8(names, chunk_ids)
         size = self.block_size_bytes
-        rcs = self.store.batch_get_into(names, [self._ptr(c) for c in chunk_ids], [size] * len(names))
+        rcs, again = get_into_renewing_leases(
+            self.store, names, [self._ptr(c) for c in chunk_ids], [size] * len(names), self._lease_retries
+        )
+        if again:
+            with self._stats_lock:
+                self.counters.lease_retries += again
         good = [rc == size for rc in rcs]
         if self._verify and any(good):
-            crcs = self.store.batch_get_bytes([n + ".crc" for n in names])
+            crc_names = [n + ".crc" for n in names]
+            crcs = self.store.batch_get_bytes(crc_names)
+            for _ in range(self._lease_retries):  # an empty answer: a lapsed lease, or no sidecar
+                idx = [i for i in range(len(names)) if good[i] and len(crcs[i]) != 4]
+                if not idx:
+                    break
+                for i, v in zip(idx, self.store.batch_get_bytes([crc_names[i] for i in idx]), strict=True):
+                    crcs[i] = v
             for i, c in enumerate(chunk_ids):
                 if good[i]:
                     good[i] = len(crcs[i]) == 4 and zlib.crc32(self._primary[c]) == int.from_bytes(

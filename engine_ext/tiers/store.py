@@ -9,6 +9,12 @@ gets), negative is an error code.
   not answer (RPC_FAIL, -900: the master is down or restarting) raises `StoreUnavailable`, so
   `engine_ext.tiers.breaker.GuardedStore` can stop calling until it is back.
 - `MemoryObjectStore`: an in-process dict, for unit tests and fault injection.
+
+`get_into_renewing_leases` re-reads the keys a batched get failed with `LEASE_EXPIRED`: Mooncake
+grants a read lease (the master's `default_kv_lease_ttl`) when it hands out an object's replica
+and fails the get when the transfer ends after it, so a read slowed down by a loaded machine or a
+peer whose transfer thread is not scheduled fails although the object is there; a new get takes a
+new lease. Bounded by `retries`; any other error is returned as it is.
 """
 
 from __future__ import annotations
@@ -17,10 +23,21 @@ import ctypes
 import threading
 from typing import Protocol
 
-__all__ = ["RPC_FAIL", "MemoryObjectStore", "MooncakeObjectStore", "ObjectStore", "StoreUnavailable"]
+__all__ = [
+    "LEASE_EXPIRED",
+    "RPC_FAIL",
+    "MemoryObjectStore",
+    "MooncakeObjectStore",
+    "ObjectStore",
+    "StoreUnavailable",
+    "get_into_renewing_leases",
+]
 
 RPC_FAIL = -900
 """Mooncake's error code for a call the master did not answer."""
+
+#: Mooncake's error code for a get whose transfer finished after its read lease expired.
+LEASE_EXPIRED = -707
 
 
 class StoreUnavailable(RuntimeError):
@@ -42,6 +59,27 @@ class ObjectStore(Protocol):
     def batch_put_bytes(self, keys: list[str], values: list[bytes]) -> int: ...
     def batch_get_bytes(self, keys: list[str]) -> list[bytes]: ...
     def close(self) -> None: ...
+
+
+def get_into_renewing_leases(
+    store: ObjectStore, keys: list[str], ptrs: list[int], sizes: list[int], retries: int
+) -> tuple[list[int], int]:
+    """`batch_get_into`, then up to `retries` more gets of the keys that failed with
+    `LEASE_EXPIRED`; returns the per-key results and how many keys were read again."""
+    rcs = store.batch_get_into(keys, ptrs, sizes)
+    again = 0
+    for _ in range(retries):
+        idx = [i for i, rc in enumerate(rcs) if rc == LEASE_EXPIRED]
+        if not idx:
+            break
+        again += len(idx)
+        for i, rc in zip(
+            idx,
+            store.batch_get_into([keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx]),
+            strict=True,
+        ):
+            rcs[i] = rc
+    return rcs, again
 
 
 class MemoryObjectStore:

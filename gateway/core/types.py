@@ -63,6 +63,10 @@ class EngineView:
     homed_tokens: int = 0
     """Context tokens of the live sessions the gateway has homed on this engine: the KV their
     next turns will hold while decoding (0 when unknown)."""
+    pinned_share: float = 0.0
+    """Share of the device KV cache held by engine_ext device soft pins (0 when unknown or no
+    pinning scheduler). ``kv_usage`` counts these blocks as used, but a pin yields to a request
+    that needs room, so they are free for admission."""
 
     @property
     def queue(self) -> int:

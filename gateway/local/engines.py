@@ -259,11 +259,16 @@ class LocalEngine:
         if self._proc is None:
             return
         self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         try:
             self._proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
-        # The leader may exit before its children: kill whatever is left of the group.
+        # The leader may exit before its children (EngineCore, workers): give them the rest of the
+        # grace period for a clean exit (a Mooncake client that is killed before it unmounts leaves
+        # a dead segment that fails other clients' puts until the master's client_ttl), then kill
+        # whatever is left of the group.
+        self._wait_group_gone(max(0.0, deadline - time.monotonic()))
         self._signal_group(signal.SIGKILL)
         self._proc.wait()
         self._wait_group_gone(grace_s)

@@ -13,6 +13,13 @@ Engines that refused a connection (nothing listens) stay out. Every ejection cal
 ``on_eject`` callbacks with the engine's name (the re-homer moves its sessions). Load:
 ``/metrics`` is scraped every ``metrics_interval_s`` for ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc``; the gateway's own in-flight count is kept exactly.
+
+Device soft pins: for engines with a ``control_url`` (engine_ext), the control server's
+``GET /metrics`` (bearer ``migration.control_token``) is scraped on the same period for
+``agentgw_kv_device_pinned_share``, the share of the device cache held by soft pins, which vLLM's
+usage gauge counts as used; the kv_usage scorer discounts it. That scrape is its own task, each
+call bounded by ``health_timeout_s`` as a whole; a failed or refused one reads as no pins (the
+undiscounted gauge). Routing only reads the last values and never waits for a scrape.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ _GAUGES = {
     b"vllm:num_requests_waiting": "waiting",
     b"vllm:kv_cache_usage_perc": "kv_usage",
 }
+_PINNED_SHARE = b"agentgw_kv_device_pinned_share "
+_MAX_CONTROL_METRICS_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -53,6 +62,10 @@ class EngineState:
     inflight: int = 0
     capacity_blocks: int = 0
     models: frozenset[str] = field(default_factory=frozenset)
+    pinned_share: float = 0.0
+    """Share of the device cache held by engine_ext soft pins (control server's /metrics)."""
+    pins_refused: bool = False
+    """The control API refused the last pin scrape (wrong token): logged once per episode."""
 
     @property
     def name(self) -> str:
@@ -70,6 +83,7 @@ class EngineState:
             kv_usage=self.kv_usage,
             inflight=self.inflight,
             capacity_blocks=self.capacity_blocks,
+            pinned_share=self.pinned_share,
         )
 
 
@@ -94,6 +108,16 @@ def parse_vllm_gauges(text: bytes) -> dict[str, float]:
         with contextlib.suppress(ValueError):
             out[key] = out.get(key, 0.0) + float(line.rsplit(b" ", 1)[1])
     return out
+
+
+def parse_pinned_share(text: bytes) -> float | None:
+    """``agentgw_kv_device_pinned_share`` from engine_ext's control-server metrics, clamped to
+    [0, 1]; None when absent (the engine runs no pinning scheduler)."""
+    for line in text.splitlines():
+        if line.startswith(_PINNED_SHARE):
+            with contextlib.suppress(ValueError):
+                return min(1.0, max(0.0, float(line[len(_PINNED_SHARE) :])))
+    return None
 
 
 class Cluster:
@@ -228,6 +252,36 @@ class Cluster:
         s.capacity_blocks = int(g.get("capacity_blocks", s.capacity_blocks))
         self._changed()
 
+    async def scrape_pins_once(self) -> None:
+        panic = self.panicking()
+        await asyncio.gather(
+            *(
+                self._scrape_pins(s)
+                for s in self.engines.values()
+                if s.config.control_url and (s.healthy or panic[s.pool])
+            )
+        )
+
+    async def _scrape_pins(self, s: EngineState) -> None:
+        token = self._config.migration.control_token
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        share: float | None = None
+        try:
+            async with asyncio.timeout(self._config.timeouts.health_timeout_s):
+                r = await self._client.get(f"{s.config.control_url}/metrics", headers=headers)
+            if r.status_code == 200 and len(r.content) <= _MAX_CONTROL_METRICS_BYTES:
+                share = parse_pinned_share(r.content)
+            refused = r.status_code in (401, 403)
+            if refused and not s.pins_refused:
+                log.warning("engine %s: control API refused the pin scrape (%d)", s.name, r.status_code)
+            s.pins_refused = refused
+        except (httpx.HTTPError, TimeoutError):
+            pass
+        value = share or 0.0
+        if value != s.pinned_share:
+            s.pinned_share = value
+            self._changed()
+
     async def _loop(self, fn: str, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
@@ -242,6 +296,10 @@ class Cluster:
             asyncio.create_task(self._loop("probe_once", t.health_interval_s), name="health"),
             asyncio.create_task(self._loop("scrape_once", t.metrics_interval_s), name="metrics"),
         ]
+        if any(s.config.control_url for s in self.engines.values()):
+            self._tasks.append(
+                asyncio.create_task(self._loop("scrape_pins_once", t.metrics_interval_s), name="kv-pins")
+            )
 
     async def stop(self) -> None:
         for task in self._tasks:

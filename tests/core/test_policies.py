@@ -88,6 +88,11 @@ SESSION = SessionView("s", home="w1", pool="warm", turns=3, context_tokens=4000,
         ),
         (QueueScorer(), [W0, W1], req(), {}, [1.0, 1.0]),
         (KvUsageScorer(), [eng("w0", kv_usage=0.25)], req(), {}, [0.75]),
+        # blocks held only by device soft pins yield to admission: not used for the new request
+        (KvUsageScorer(), [eng("w0", kv_usage=0.75, pinned_share=0.5)], req(), {}, [0.75]),
+        (KvUsageScorer(), [eng("w0", kv_usage=0.5, pinned_share=0.5)], req(), {}, [1.0]),
+        # shares scraped at different moments may disagree: never above 1
+        (KvUsageScorer(), [eng("w0", kv_usage=0.25, pinned_share=0.5)], req(), {}, [1.0]),
         (SessionAffinityScorer(), [W0, W1], req(), {"session": SESSION}, [0.0, 1.0]),
         (SessionAffinityScorer(), [W0, W1], req(), {}, [0.0, 0.0]),
         (ParentPrefixScorer(), [W0, W2], req(is_subagent=True), {"session": SESSION}, [0.0, 1.0]),
@@ -217,6 +222,21 @@ def test_least_loaded_and_precise_prefix() -> None:
 )
 def test_cache_aware(engines, matches, expected) -> None:  # type: ignore[no-untyped-def]
     assert route("cache_aware", engines, req(1024), matches=matches) == expected
+
+
+def test_kv_usage_discounts_the_pinned_share_when_routing() -> None:
+    """w0 looks fuller by vLLM's gauge, but most of it is soft-pinned blocks that yield: the
+    kv_usage scorer then prefers w0, and without the discount it prefers w1."""
+    params = RoutingParams(profile="agentic")
+    pinned = [eng("w0", kv_usage=0.8, pinned_share=0.7), eng("w1", kv_usage=0.5)]
+    unpinned = [eng("w0", kv_usage=0.8), eng("w1", kv_usage=0.5)]
+    for engines, best in ((pinned, "w0"), (unpinned, "w1")):
+        d = Router(params).route(req(), Snapshot(engines=tuple(engines)))
+        kv = {c.engine: c.scores["kv_usage"] for c in d.candidates}
+        assert max(kv, key=kv.__getitem__) == best, kv
+        assert d.engine == best
+    d = Router(params).route(req(), Snapshot(engines=tuple(pinned)))
+    assert {c.engine: c.scores["kv_usage"] for c in d.candidates} == pytest.approx({"w0": 0.9, "w1": 0.5})
 
 
 def test_no_engine_errors() -> None:

@@ -1,17 +1,21 @@
-"""Constants and handles shared by the engine_ext fixtures and tests."""
+"""Constants, handles and the one engine launcher shared by the engine_ext fixtures and tests."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from engine_ext import config
 from gateway.local.engines import EngineSpec, LocalEngine, start_engines
+from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import VOCAB_SIZE
 
 HOST_CHUNKS = 96
@@ -77,6 +81,63 @@ def metrics(engine: Engine) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def plugin_kv(
+    host_bytes: int,
+    control_port: int,
+    *,
+    engine_port: int | None = None,
+    mooncake: MooncakeMaster | None = None,
+    retention: dict[str, Any] | None = None,
+    **tier: Any,
+) -> dict[str, Any]:
+    """engine_ext's `--kv-transfer-config` for a test engine: host tier, control API on
+    `control_port` (the tests' token), `engine_url` when `engine_port` is given (prefetch), and a
+    Mooncake tier on `mooncake` with `retention` and any other tier fields (`key_namespace`, ...)."""
+    kv = config.kv_transfer_config(
+        host_bytes,
+        control_port=control_port,
+        control_token=CONTROL_TOKEN,
+        engine_url=None if engine_port is None else f"http://127.0.0.1:{engine_port}",
+        mooncake_master=None if mooncake is None else mooncake.master_address,
+        mooncake_metadata=None if mooncake is None else mooncake.metadata_server,
+        retention=retention,
+    )
+    if tier:
+        kv["kv_connector_extra_config"]["secondary_tiers"][0].update(tier)
+    return kv
+
+
+def plugin_engine(
+    name: str,
+    model_dir: Path,
+    log_dir: Path,
+    port: int,
+    kv: dict[str, Any],
+    *,
+    device_blocks: int,
+    max_model_len: int = 4096,
+    serve_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    kv_events_port: int | None = None,
+) -> EngineSpec:
+    """A tiny test engine with the plugin (`engines.py` adds the pinning scheduler) and a
+    `device_blocks` device cache; the Mooncake client's environment when `kv` has a store tier."""
+    env = dict(MooncakeMaster.client_env) if kv["kv_connector_extra_config"].get("secondary_tiers") else {}
+    env.update(extra_env or {})
+    return EngineSpec(
+        name=name,
+        model_dir=model_dir,
+        served_model_name="tiny-llama",
+        port=port,
+        log_path=log_dir / f"{name}.log",
+        max_model_len=max_model_len,
+        num_gpu_blocks_override=device_blocks,
+        extra_args=(*serve_args, "--kv-transfer-config", json.dumps(kv)),
+        extra_env=env,
+        kv_events_port=kv_events_port,
+    )
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ host/connector loads (`{external_kv_transfer}`) of the next turn.
 
 from __future__ import annotations
 
-import json
+import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Iterator
@@ -19,8 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_ext import config
-from gateway.local.engines import EngineSpec, free_ports
+from gateway.config import load_config
+from gateway.core.policies.scorers import KvUsageScorer
+from gateway.core.types import EngineView, RouteRequest, Snapshot
+from gateway.local.engines import free_ports
+from gateway.service.cluster import Cluster
 from tests.engine_ext.offload_support import (
     AUTH,
     BLOCK,
@@ -30,6 +34,8 @@ from tests.engine_ext.offload_support import (
     complete,
     delta,
     metrics,
+    plugin_engine,
+    plugin_kv,
     running_engines,
     tokens,
 )
@@ -46,22 +52,15 @@ SESSION_BLOCKS = 4
 def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     logs = tmp_path_factory.mktemp("device-pins")
     port, control_port = free_ports(2, range(23000, 23400))
-    kv = config.kv_transfer_config(
-        32 * BLOCK_BYTES,
-        control_port=control_port,
-        control_token=CONTROL_TOKEN,
-        engine_url=f"http://127.0.0.1:{port}",
-    )
+    kv = plugin_kv(32 * BLOCK_BYTES, control_port, engine_port=port)
     kv["kv_connector_extra_config"]["device_pin_fraction"] = PIN_FRACTION
-    spec = EngineSpec(
-        name="pins",
-        model_dir=tiny_llama,
-        served_model_name="tiny-llama",
-        port=port,
-        log_path=logs / "pins.log",
-        max_model_len=4096,
-        num_gpu_blocks_override=DEVICE_BLOCKS,
-        extra_args=("--kv-transfer-config", json.dumps(kv)),  # engines.py adds --scheduler-cls
+    spec = plugin_engine(
+        "pins",
+        tiny_llama,
+        logs,
+        port,
+        kv,
+        device_blocks=DEVICE_BLOCKS,
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # serves POST /reset_prefix_cache
     )
     with running_engines([spec], [control_port]) as engines:
@@ -196,3 +195,62 @@ def test_reset_prefix_cache_releases_pins_instead_of_failing(engine: Engine) -> 
     reset(engine)
     stats = device(engine)
     assert stats["pinned_blocks"] == 0 and stats["reset"] == resets + 1
+
+
+def gateway_view(engine: Engine, token: str = CONTROL_TOKEN) -> EngineView:
+    """The gateway's routing view of the engine after one scrape of each kind (vLLM's /metrics,
+    the control server's pin gauges), as its cluster task makes them."""
+    cfg = load_config(
+        None,
+        pools=[
+            {
+                "name": "p",
+                "role": "warm",
+                "engines": [
+                    {
+                        "name": "pins",
+                        "url": engine.url,
+                        "model": "tiny-llama",
+                        "control_url": engine.control_url,
+                    }
+                ],
+            }
+        ],
+        migration={"control_token": token},
+    )
+
+    async def scrape() -> EngineView:
+        async with httpx.AsyncClient() as client:
+            cluster = Cluster(cfg, client)
+            await cluster.scrape_once()
+            await cluster.scrape_pins_once()
+            return cluster.views()[0]
+
+    return asyncio.run(scrape())
+
+
+def kv_score(view: EngineView) -> float:
+    req = RouteRequest(model="tiny-llama", prompt_tokens=FULL, block_size=BLOCK)
+    return KvUsageScorer().score(req, Snapshot(engines=(view,)), [view])[0]
+
+
+def test_gateway_reads_the_pinned_share_and_its_kv_usage_scorer_discounts_it(engine: Engine) -> None:
+    rng = random.Random(1406)
+    assert gateway_view(engine).pinned_share == 0.0
+    turn(engine, tokens(rng, 2 * FULL), session_id="gw", pin_ttl_s=600)
+    share = device(engine)["pinned_share"]
+    assert share == pytest.approx(2 * SESSION_BLOCKS / (DEVICE_BLOCKS - 1), abs=1e-6)
+    view = gateway_view(engine)
+    assert view.pinned_share == pytest.approx(share, abs=1e-6)
+    assert view.kv_usage >= share - 1e-6  # vLLM's gauge counts the pinned blocks as used
+    undiscounted = kv_score(dataclasses.replace(view, pinned_share=0.0))
+    assert undiscounted == pytest.approx(1.0 - view.kv_usage)
+    assert kv_score(view) == pytest.approx(1.0 - max(0.0, view.kv_usage - share))
+    assert kv_score(view) > undiscounted
+    # a wrong control token: the control API refuses, the gateway falls back to no discount
+    assert gateway_view(engine, token="wrong").pinned_share == 0.0
+    # released (applied at the engine's next step): nothing left to discount
+    control(engine, "POST", "/v1/kv/unpin", session_id="gw")
+    complete(engine, tokens(rng, 16), max_tokens=1)
+    assert device(engine)["pinned_blocks"] == 0
+    assert gateway_view(engine).pinned_share == 0.0

@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 import kernels
-from engine_ext import config
-from gateway.local.engines import EngineSpec, free_ports
+from gateway.local.engines import free_ports
 from gateway.local.mooncake import MooncakeMaster
 from tests.engine_ext.offload_support import (
     BLOCK,
     BLOCK_BYTES,
-    CONTROL_TOKEN,
     Engine,
     complete,
     delta,
     metrics,
+    plugin_engine,
+    plugin_kv,
     running_engines,
     tier_stats,
     tokens,
@@ -50,26 +50,14 @@ def fp8_engine(
 ) -> Iterator[Engine]:
     logs = tmp_path_factory.mktemp("fp8-engine")
     port, control_port = free_ports(2, PORTS)
-    kv = config.kv_transfer_config(
+    kv = plugin_kv(
         HOST_CHUNKS * BLOCK_BYTES,
-        control_port=control_port,
-        control_token=CONTROL_TOKEN,
-        mooncake_master=mooncake.master_address,
-        mooncake_metadata=mooncake.metadata_server,
+        control_port,
+        mooncake=mooncake,
+        key_namespace="fp8-objects",
+        object_format="fp8_e4m3",
     )
-    tier = kv["kv_connector_extra_config"]["secondary_tiers"][0]
-    tier.update(key_namespace="fp8-objects", object_format="fp8_e4m3")
-    spec = EngineSpec(
-        name="fp8",
-        model_dir=tiny_llama,
-        served_model_name="tiny-llama",
-        port=port,
-        log_path=logs / "fp8.log",
-        max_model_len=4096,
-        num_gpu_blocks_override=DEVICE_BLOCKS,
-        extra_args=("--kv-transfer-config", json.dumps(kv)),
-        extra_env=MooncakeMaster.client_env,
-    )
+    spec = plugin_engine("fp8", tiny_llama, logs, port, kv, device_blocks=DEVICE_BLOCKS)
     with running_engines([spec], [control_port]) as engines:
         yield engines["fp8"]
 

@@ -8,7 +8,6 @@ before it starts the Qwen3-Next pair, so at most two engines run at a time).
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -17,17 +16,18 @@ from typing import Any
 
 import pytest
 
-from engine_ext import config
-from gateway.local.engines import EngineSpec, free_ports, start_engines
+from gateway.local.engines import free_ports
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import SERVE_ARGS, build_tiny_model
 from tests.engine_ext.offload_support import (
-    CONTROL_TOKEN,
     HYBRIDS,
     Engine,
     complete,
     delta,
     metrics,
+    plugin_engine,
+    plugin_kv,
+    running_engines,
     tier_stats,
     tokens,
 )
@@ -69,36 +69,15 @@ def hybrid_pair(
     ports = free_ports(4, PORTS)
     specs = []
     for i, name in enumerate(("a", "b")):
-        kv = config.kv_transfer_config(
-            64 << 20,
-            control_port=ports[2 + i],
-            control_token=CONTROL_TOKEN,
-            mooncake_master=mooncake.master_address,
-            mooncake_metadata=mooncake.metadata_server,
-        )
+        kv = plugin_kv(64 << 20, ports[2 + i], mooncake=mooncake)
         specs.append(
-            EngineSpec(
-                name=f"{arch}-{name}",
-                model_dir=model,
-                served_model_name="tiny-llama",
-                port=ports[i],
-                log_path=root / f"{arch}-{name}.log",
-                max_model_len=4096,
-                num_gpu_blocks_override=blocks,
-                extra_args=(*SERVE_ARGS[arch], "--kv-transfer-config", json.dumps(kv)),
-                extra_env=MooncakeMaster.client_env,
+            plugin_engine(
+                f"{arch}-{name}", model, root, ports[i], kv, device_blocks=blocks, serve_args=SERVE_ARGS[arch]
             )
         )
-    started = start_engines(specs, timeout_s=300)
-    try:
-        a, b = (
-            Engine(s.name, s.url, f"http://127.0.0.1:{ports[2 + i]}", e, None)
-            for i, (s, e) in enumerate(zip(specs, started, strict=True))
-        )
+    with running_engines(specs, ports[2:4]) as engines:
+        a, b = engines.values()
         yield arch, a, b
-    finally:
-        for e in started:
-            e.stop()
 
 
 def test_engine_b_continues_a_hybrid_session_from_engine_a_via_mooncake(

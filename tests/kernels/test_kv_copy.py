@@ -272,6 +272,21 @@ def test_benchmark_script_runs_on_cpu() -> None:
     assert "GB/s" in result.stdout
 
 
+def test_benchmark_script_checks_the_triton_kernels_under_the_interpreter() -> None:
+    """The H200 script's Triton calls, on CPU tensors under TRITON_INTERPRET=1 (parity only)."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/kv_copy_gpu.py", "--device", "cpu", "--quick", "--threads", "1"],
+        cwd=REPO,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("triton-interp: gather, scatter, copy checked") == 2, result.stdout
+    assert "parity failures: 0" in result.stdout
+
+
 # ----- the torch reference's fast paths against a per-block ``select`` loop -----------------------
 
 

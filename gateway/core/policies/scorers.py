@@ -5,7 +5,10 @@
   from the text index, same formula).
 - ``queue``: ``(q_max - q_e) / (q_max - q_min)`` over candidates (1.0 when all equal), with
   ``q = max(gateway in-flight, running + waiting)``: the llm-d queue scorer.
-- ``kv_usage``: ``1 - kv_cache_usage_perc``.
+- ``kv_usage``: ``1 - max(0, kv_cache_usage_perc - pinned_share)``: device blocks held only by
+  engine_ext soft pins count as used in vLLM's gauge, but a pin yields before vLLM preempts or
+  refuses a request, so for the request being placed they are free room (``pinned_share`` 0
+  when the engine has no pinning scheduler or its control API is not scraped).
 - ``session_affinity``: 1.0 for the session's home engine, else 0.
 - ``parent_prefix``: for a subagent, the parent's prefix match fraction on the engine (the
   parent's context is what a subagent's prompt starts with); 1.0 on the parent's home when no
@@ -58,7 +61,7 @@ class KvUsageScorer:
     name: str = "kv_usage"
 
     def score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> Sequence[float]:
-        return [max(0.0, 1.0 - e.kv_usage) for e in engines]
+        return [min(1.0, max(0.0, 1.0 - max(0.0, e.kv_usage - e.pinned_share))) for e in engines]
 
 
 @dataclass(frozen=True, slots=True)
