@@ -74,6 +74,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         metrics = GatewayMetrics()
         router = Router(config.routing.params())
         s = config.sessions
+        quotas = config.session_quotas()  # per tenant: auth.tenants[].max_sessions
         sessions: SessionStore = (
             RedisSessionStore(
                 s.redis_url,
@@ -84,9 +85,10 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
                 max_conflicts=s.redis_max_conflicts,
                 local_capacity=s.local_capacity,
                 metrics=metrics,
+                quotas=quotas,
             )
             if s.backend == "redis"
-            else MemorySessionStore(s.capacity, s.ttl_s)
+            else MemorySessionStore(s.capacity, s.ttl_s, quotas, metrics)
         )
         service = GatewayService(config, upstream, cluster, router, metrics, sessions)
         app.state.service = service

@@ -108,6 +108,13 @@ class GatewayMetrics:
             "Times the local view was written back to Redis after an outage",
             registry=r,
         )
+        self.session_evictions = Counter(
+            "agentgw_session_evictions",
+            "Sessions forgotten before their TTL: tenant_quota (the tenant's own least recently "
+            "active, past auth.tenants[].max_sessions) or capacity (sessions.capacity)",
+            ["reason"],
+            registry=r,
+        )
         self.engine_panic = Gauge(
             "agentgw_pool_panic",
             "1 while every engine of the pool fails probes and routing ignores health",
