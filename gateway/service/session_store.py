@@ -152,7 +152,7 @@ class RedisSessionStore:
         retry_s: float = 1.0,
         max_conflicts: int = 16,
         local_capacity: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         metrics: GatewayMetrics | None = None,
         quotas: dict[str, int] | None = None,
     ) -> None:
@@ -311,9 +311,13 @@ class RedisSessionStore:
                 await self.redis.ping()
                 while self._dirty:
                     session_id, rec = next(iter(self._dirty.items()))
-                    if rec is not None:
-                        await self._update(session_id, _newer(rec))
-                    else:
+                    left_ms = (
+                        int((self.ttl_ms / 1000 - (self.clock() - rec.last_activity)) * 1000) if rec else 0
+                    )
+                    if rec is not None and left_ms > 0:
+                        # what is left of its TTL, not a new one (it was idle through the outage)
+                        await self._update(session_id, _newer(rec), left_ms)
+                    else:  # deleted, or expired meanwhile
                         await self._forget(session_id)
                     if session_id in self._dirty and self._dirty[session_id] is rec:
                         del self._dirty[session_id]
@@ -342,7 +346,7 @@ class RedisSessionStore:
             return None
         return SessionRecord.from_dict(orjson.loads(raw))
 
-    async def _update(self, session_id: str, fn: Mutation) -> SessionRecord | None:
+    async def _update(self, session_id: str, fn: Mutation, ttl_ms: int | None = None) -> SessionRecord | None:
         key, lru, ns = self._key(session_id), f"{self.prefix}lru", self._ns_key(session_id)
         async with self.redis.pipeline(transaction=True) as p:
             for _attempt in range(self.max_conflicts):
@@ -354,7 +358,7 @@ class RedisSessionStore:
                         await p.unwatch()
                         return None
                     p.multi()
-                    p.set(key, orjson.dumps(rec.to_dict()), px=self.ttl_ms)
+                    p.set(key, orjson.dumps(rec.to_dict()), px=ttl_ms or self.ttl_ms)
                     p.zadd(lru, {session_id: rec.last_activity})
                     if ns is not None:
                         p.zadd(ns, {session_id: rec.last_activity})
