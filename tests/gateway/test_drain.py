@@ -2,7 +2,8 @@
 stand-in engine (benchmarks/fake_engine.py, 50 ms between tokens). With two streams in flight at
 SIGTERM, the short one (40 tokens) finishes inside the drain deadline and ends with its last token
 and ``[DONE]``; the long one (2,000 tokens) is cut at the deadline with an error chunk then
-``[DONE]``; a request sent after SIGTERM gets a 503 ``shutting_down`` with ``Retry-After`` (or a
+``[DONE]``; a non-streamed request its (slow) engine has not answered by then gets a 503
+``shutting_down``; a request sent after SIGTERM gets a 503 ``shutting_down`` with ``Retry-After`` (or a
 refused connection once the listener is closed); ``/ready`` says draining; the process exits 0.
 Assertions are on events, never on durations."""
 
@@ -26,6 +27,21 @@ from tests.conftest import fake_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "drain-model"
+SLOW_MODEL = "drain-slow"
+"""Served by an engine that answers a minute after the request: unanswered at the deadline."""
+
+
+class Pending(threading.Thread):
+    """A non-streamed request whose engine has not answered when the deadline passes."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.response: httpx.Response | None = None
+
+    def run(self) -> None:
+        body = {"model": SLOW_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        self.response = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
 
 
 class Stream(threading.Thread):
@@ -63,12 +79,17 @@ class Stream(threading.Thread):
         return [json.loads(e) for e in self.events if e != "[DONE]"]
 
 
-def _serve(tmp_path: Path, engine_url: str, port: int, deadline_s: float) -> subprocess.Popen[bytes]:
+def _serve(
+    tmp_path: Path, engine_url: str, slow_url: str, port: int, deadline_s: float
+) -> subprocess.Popen[bytes]:
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
-                "pools": [{"name": "p", "engines": [{"name": "e0", "url": engine_url, "model": MODEL}]}],
+                "pools": [
+                    {"name": "p", "engines": [{"name": "e0", "url": engine_url, "model": MODEL}]},
+                    {"name": "q", "engines": [{"name": "slow", "url": slow_url, "model": SLOW_MODEL}]},
+                ],
                 "drain": {"deadline_s": deadline_s},
             }
         )
@@ -81,6 +102,18 @@ def _serve(tmp_path: Path, engine_url: str, port: int, deadline_s: float) -> sub
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _wait_engine_running(engine_url: str) -> None:
+    """Until the slow engine holds the pending request (its vllm:num_requests_running is 1)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if "vllm:num_requests_running{" in (text := httpx.get(engine_url + "/metrics", timeout=5).text):
+            line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running{"))
+            if float(line.rsplit(" ", 1)[1]) >= 1:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the slow engine never received the pending request")
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
@@ -99,15 +132,20 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str) -> None:
 def test_sigterm_drains_in_flight_streams_then_cuts_with_an_error_and_exits_0(tmp_path: Path) -> None:
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    with fake_engine("--model", MODEL, "--tokens", "2000", "--itl-ms", "50") as engine_url:
-        proc = _serve(tmp_path, engine_url, port, deadline_s=8)
+    with (
+        fake_engine("--model", MODEL, "--tokens", "2000", "--itl-ms", "50") as engine_url,
+        fake_engine("--model", SLOW_MODEL, "--ttft-ms", "60000") as slow_url,
+    ):
+        proc = _serve(tmp_path, engine_url, slow_url, port, deadline_s=8)
         try:
             _wait_ready(proc, url)
-            short, long = Stream(url, 40), Stream(url, 2000)
+            short, long, pending = Stream(url, 40), Stream(url, 2000), Pending(url)
             long.start()
             short.start()
+            pending.start()
             assert long.first.wait(60) and short.first.wait(60)
             assert short.events and long.events, (short.error, long.error)
+            _wait_engine_running(slow_url)
             proc.send_signal(signal.SIGTERM)
 
             # after the signal: new work is refused, readiness says draining
@@ -138,6 +176,7 @@ def test_sigterm_drains_in_flight_streams_then_cuts_with_an_error_and_exits_0(tm
 
             short.join(120)
             long.join(120)
+            pending.join(120)
             assert proc.wait(60) == 0
             out = proc.stdout.read().decode() if proc.stdout else ""
         finally:
@@ -157,4 +196,8 @@ def test_sigterm_drains_in_flight_streams_then_cuts_with_an_error_and_exits_0(tm
     last = long.payloads()[-1]
     assert last["error"]["message"].startswith("the gateway is shutting down"), last
     assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in long.payloads()[:-1])
-    assert "1 request(s) finished, 1 cut at the deadline" in out, out
+    # the request its engine had not answered yet: the drain's 503, in the OpenAI shape
+    assert pending.response is not None and pending.response.status_code == 503
+    assert pending.response.json()["error"]["code"] == "shutting_down"
+    assert pending.response.headers["retry-after"]
+    assert "1 request(s) finished, 2 cut at the deadline" in out, out
