@@ -12,14 +12,18 @@ from gateway.service.tenants import TenantRegistry
 
 
 def _serve_app(config: GatewayConfig, log_level: str) -> None:
-    import uvicorn
-
+    """Serve until SIGTERM/SIGINT; the drain (gateway/api/drain.py) runs before it returns."""
     from gateway.api.app import create_app
-    from gateway.api.server import raise_fd_limit, uvicorn_config
+    from gateway.api.server import GatewayServer, raise_fd_limit, uvicorn_config
 
     raise_fd_limit()  # idle clients and upstream streams both hold descriptors
     # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
-    uvicorn.Server(uvicorn_config(create_app(config), config, log_level=log_level)).run()
+    app = create_app(config)
+    GatewayServer(uvicorn_config(app, config, log_level=log_level), app.drain).run()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
     if config.pools:
-        _serve_app(config, args.log_level)
+        # uvicorn re-raises the signal that stopped it once it has drained and shut down: here
+        # that is a normal exit (0), not death by SIGTERM
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            _serve_app(config, args.log_level)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         return 0
     return _serve_embedded(args, overrides)
 
@@ -75,10 +87,7 @@ def _serve_embedded(args: argparse.Namespace, overrides: dict[str, object]) -> i
     from gateway.local.embedded import start_local_engines, stop_all
     from gateway.local.engines import EngineError
 
-    def terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     engines: list = []
     try:
         print(
@@ -98,7 +107,7 @@ def _serve_embedded(args: argparse.Namespace, overrides: dict[str, object]) -> i
         print(f"agentgw: {exc}", file=sys.stderr)
         return 1
     finally:
-        # uvicorn re-raises the signal that stopped it once it has shut down: ``terminate`` turns
+        # uvicorn re-raises the signal that stopped it once it has shut down: ``_terminate`` turns
         # that into KeyboardInterrupt above; while the engines stop, further signals are ignored.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_all(engines)

@@ -203,6 +203,10 @@ class TenantConfig(_Strict):
     """Rate buckets hold ``rate * burst_s`` (at least one request's worth)."""
     max_concurrent: int | None = Field(None, gt=0)
     """Requests (streams) of this tenant in flight at once."""
+    max_sessions: int | None = Field(None, gt=0)
+    """Sessions this tenant may hold in the session store; a new one past it makes the tenant's
+    own least recently active session be forgotten (never another tenant's). None: an equal
+    share of what ``sessions.capacity`` leaves after the tenants that set it."""
 
     @field_validator("key_sha256")
     @classmethod
@@ -267,6 +271,16 @@ class ServerConfig(_Strict):
     """Listen backlog: connections the kernel queues before the server accepts them."""
 
 
+class DrainConfig(_Strict):
+    """Graceful shutdown on SIGTERM (see gateway/api/drain.py)."""
+
+    deadline_s: float = Field(30.0, ge=0)
+    """How long requests in flight at SIGTERM may take to finish; past it each remaining stream
+    ends with its API's error event (a request not answered yet gets a 503) and the gateway exits.
+    While draining, new requests get a 503 ``shutting_down`` with ``Retry-After`` and ``/ready``
+    a 503."""
+
+
 class HintsConfig(_Strict):
     on_invalid: Literal["reject", "ignore"] = "reject"
     """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
@@ -319,6 +333,7 @@ class GatewayConfig(BaseSettings):
     auth: AuthConfig = AuthConfig()
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
+    drain: DrainConfig = DrainConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:
@@ -342,7 +357,24 @@ class GatewayConfig(BaseSettings):
         tenants = [t.name for t in a.tenants]
         if len(tenants) != len(set(tenants)):
             raise ValueError(f"tenant names must be unique, got {tenants}")
+        self.session_quotas()  # raises when the tenants' quotas do not fit sessions.capacity
         return self
+
+    def session_quotas(self) -> dict[str, int]:
+        """Each tenant's ``max_sessions`` (unset ones share what the set ones leave of
+        ``sessions.capacity`` equally); they sum to at most the capacity, so one tenant's sessions
+        never push another's out."""
+        tenants = self.auth.tenants
+        capacity = self.sessions.capacity
+        fixed = sum(t.max_sessions or 0 for t in tenants)
+        unset = [t for t in tenants if t.max_sessions is None]
+        share = (capacity - fixed) // len(unset) if unset else 0
+        if fixed > capacity or (unset and share < 1):
+            raise ValueError(
+                f"auth.tenants: max_sessions ({fixed} set, {len(unset)} tenant(s) unset) do not fit "
+                f"sessions.capacity {capacity}"
+            )
+        return {t.name: t.max_sessions if t.max_sessions is not None else share for t in tenants}
 
     @classmethod
     def settings_customise_sources(

@@ -38,9 +38,11 @@ async def health() -> dict[str, str]:
 @router.get("/ready", summary="Readiness: every configured pool has a healthy engine")
 async def ready(request: Request) -> JSONResponse:
     pools = _svc(request).cluster.ready()
-    ok = bool(pools) and all(pools.values())
+    draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
+    ok = bool(pools) and all(pools.values()) and not draining
     degraded = await _svc(request).sessions.probe()  # a shared store down: routing on the local view
-    return JSONResponse({"ready": ok, "pools": pools, "degraded": degraded}, status_code=200 if ok else 503)
+    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics (admin key)", dependencies=[Depends(require_admin)])

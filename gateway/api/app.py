@@ -18,8 +18,9 @@ from starlette.routing import Match
 
 from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_routes
 from gateway.api.anthropic_routes import MESSAGES_WIRE
+from gateway.api.drain import Drain
 from gateway.api.openai_routes import OPENAI_WIRES
-from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire
+from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire, openai_error, send_error
 from gateway.api.responses_routes import RESPONSES_WIRE
 from gateway.config import GatewayConfig
 from gateway.core.router import Router
@@ -35,19 +36,31 @@ WIRES: tuple[Wire, ...] = (*OPENAI_WIRES, MESSAGES_WIRE, RESPONSES_WIRE)
 HOT_ROUTES = tuple(w.route for w in WIRES)
 
 
+DRAIN_OPEN = frozenset({"/health", "/ready", "/metrics"})
+"""Routes still served while draining (liveness, readiness saying so, the last scrape)."""
+
+
 class GatewayApp:
     """Dispatches the hot POST routes (one per generation API) straight to their raw ASGI
-    endpoints and everything else (admin, sessions, docs, lifespan) to FastAPI."""
+    endpoints and everything else (admin, sessions, docs, lifespan) to FastAPI. While the drain
+    runs (gateway/api/drain.py) every other route gets its 503."""
 
     def __init__(self, api: FastAPI) -> None:
         self.api = api
         self.state = api.state
         holder: ServiceHolder = api.state.holder
-        self._hot = {w.route: GenerationEndpoint(w, holder) for w in WIRES}
+        self.drain: Drain = api.state.drain
+        self._hot = {w.route: GenerationEndpoint(w, holder, self.drain) for w in WIRES}
+        self._render = {w.route: w.render_error for w in WIRES}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            endpoint = self._hot.get(scope["path"])
+            path = scope["path"]
+            if self.drain.draining and path not in DRAIN_OPEN:
+                render = self._render.get(path, openai_error)
+                await send_error(send, self.drain.error(), [(b"connection", b"close")], render)
+                return
+            endpoint = self._hot.get(path)
             if endpoint is not None and scope["method"] == "POST":
                 await endpoint(scope, receive, send)
                 return
@@ -73,6 +86,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         metrics = GatewayMetrics()
         router = Router(config.routing.params())
         s = config.sessions
+        quotas = config.session_quotas()  # per tenant: auth.tenants[].max_sessions
         sessions: SessionStore = (
             RedisSessionStore(
                 s.redis_url,
@@ -83,9 +97,10 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
                 max_conflicts=s.redis_max_conflicts,
                 local_capacity=s.local_capacity,
                 metrics=metrics,
+                quotas=quotas,
             )
             if s.backend == "redis"
-            else MemorySessionStore(s.capacity, s.ttl_s)
+            else MemorySessionStore(s.capacity, s.ttl_s, quotas, metrics)
         )
         service = GatewayService(config, upstream, cluster, router, metrics, sessions)
         app.state.service = service
@@ -107,6 +122,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
 
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.state.holder = ServiceHolder()
+    api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)
     api.include_router(admin_routes.router)
     api.include_router(agent_routes.router)
     api.include_router(anthropic_routes.router)

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
@@ -129,11 +130,18 @@ class _Watch:
             uncancel()
 
 
+def _uncancel(task: asyncio.Task[Any] | None) -> None:
+    """The cancellation was the drain's: let the task go on to end its response."""
+    if task is not None:
+        task.uncancel()
+
+
 class GenerationEndpoint:
-    def __init__(self, wire: Wire, holder: ServiceHolder) -> None:
+    def __init__(self, wire: Wire, holder: ServiceHolder, drain: Drain | None = None) -> None:
         self.wire = wire
         self.route = wire.route
         self._holder = holder
+        self._drain = drain
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         svc = self._holder.service
@@ -142,6 +150,27 @@ class GenerationEndpoint:
             err = ApiError(503, "the gateway is starting", None, "starting", retry_after=1)
             await send_error(send, err, render=wire.render_error)
             return
+        drain = self._drain
+        if drain is None:
+            await self._handle(svc, scope, receive, send, None)
+            return
+        flight = drain.enter()
+        try:
+            await self._handle(svc, scope, receive, send, flight)
+        except asyncio.CancelledError:
+            if not flight.cut:
+                raise
+            _uncancel(flight.task)
+            if not flight.responded:  # cut before its answer began: the drain's 503
+                with contextlib.suppress(RuntimeError, OSError):
+                    await send_error(send, drain.error(), [(b"connection", b"close")], wire.render_error)
+        finally:
+            drain.leave(flight)
+
+    async def _handle(
+        self, svc: GatewayService, scope: Scope, receive: Any, send: Any, flight: Flight | None
+    ) -> None:
+        wire = self.wire
         t0 = time.perf_counter()
         try:
             tenant = svc.tenants.authenticate(scope["headers"])
@@ -170,10 +199,21 @@ class GenerationEndpoint:
                 svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
                 await send_error(send, err, plan.extra_headers, wire.render_error)
                 return
-            await self._serve(svc, plan, parsed, t0, receive, send)
+            except asyncio.CancelledError:
+                if flight is not None and flight.cut:
+                    await svc.abandon(plan)
+                raise
+            await self._serve(svc, plan, parsed, t0, receive, send, flight)
 
     async def _serve(
-        self, svc: GatewayService, plan: Plan, parsed: ParsedRequest, t0: float, receive: Any, send: Any
+        self,
+        svc: GatewayService,
+        plan: Plan,
+        parsed: ParsedRequest,
+        t0: float,
+        receive: Any,
+        send: Any,
+        flight: Flight | None,
     ) -> None:
         wire = self.wire
         watch = _Watch(receive)
@@ -181,6 +221,9 @@ class GenerationEndpoint:
             up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers, parsed.stream)
         except asyncio.CancelledError:
             if not watch.gone:
+                watch.stop()
+                if flight is not None and flight.cut:  # the drain's deadline: its 503 follows
+                    await svc.abandon(plan)
                 raise
             watch.absorb()
             svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
@@ -199,7 +242,7 @@ class GenerationEndpoint:
                 await self._relay_error(svc, plan, up, t0, send)
                 return
             record = wire.stores_responses and parsed.store and up.status == 200
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record)
+            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight)
         finally:
             up.close()
 
@@ -238,6 +281,7 @@ class GenerationEndpoint:
         watch: _Watch,
         stream: bool,
         record_id: bool,
+        flight: Flight | None = None,
     ) -> None:
         headers = up.headers() + plan.response_headers(up)
         status = str(up.status)
@@ -247,6 +291,8 @@ class GenerationEndpoint:
         try:
             await send({"type": "http.response.start", "status": up.status, "headers": headers})
             started = True
+            if flight is not None:
+                flight.responded = True
             async for chunk in up.chunks():
                 if first:
                     svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
@@ -262,6 +308,17 @@ class GenerationEndpoint:
             watch.done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
+            if not watch.gone and flight is not None and flight.cut and self._drain is not None:
+                # the drain deadline passed: end the stream the way an engine failure does
+                _uncancel(flight.task)
+                status = "503"
+                tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
+                with contextlib.suppress(Exception):
+                    if not started:
+                        flight.responded = True
+                        await send({"type": "http.response.start", "status": 503, "headers": headers})
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+                return
             if not watch.gone:
                 raise
             status = "499"

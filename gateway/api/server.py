@@ -14,6 +14,9 @@ Limits (``server.*`` in config), each answered in the OpenAI error shape and the
 - ``body_timeout_s``: from the end of the headers to the end of the body -> 408, and the app sees
   the client as disconnected.
 - ``keep_alive_s``: an idle keep-alive connection is closed (uvicorn's own timer).
+
+:class:`GatewayServer` is uvicorn's server with the drain of gateway/api/drain.py run on SIGTERM
+before uvicorn's own shutdown (close the listener, close idle connections, the lifespan's end).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.api.drain import Drain
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.errors import error_body
 
@@ -203,6 +207,27 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
     return GuardedHttpToolsProtocol
 
 
+SHUTDOWN_GRACE_S = 5
+"""uvicorn's wait for connections after the drain (they are done or cut by then)."""
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server; on SIGTERM (or SIGINT) the drain runs first, with the listener still
+    open so new requests get their 503 and ``/ready`` says draining; a second signal cuts at once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.drain.begin()  # from the signal itself: requests arriving from now on get the 503
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        await self.drain.run()
+        await super().shutdown(sockets)
+
+
 def uvicorn_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn.Config:
     """The uvicorn settings `agentgw serve` runs with (``overrides`` for tests: log level...)."""
     s = config.server
@@ -218,6 +243,7 @@ def uvicorn_config(app: Any, config: GatewayConfig, **overrides: Any) -> uvicorn
         "server_header": False,
         "timeout_keep_alive": s.keep_alive_s,
         "backlog": s.backlog,
+        "timeout_graceful_shutdown": SHUTDOWN_GRACE_S,
     }
     kwargs.update(overrides)
     return uvicorn.Config(app, **kwargs)

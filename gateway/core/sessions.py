@@ -6,11 +6,17 @@ planner) and the last decision with its reasons. ``now`` is always passed in (se
 
 Eviction: a record idle for longer than ``ttl_s`` is gone (checked on access and by ``expire``);
 beyond ``capacity`` records the least recently active goes first.
+
+Namespaces (tenants): an id ``"<ns>:<local>"`` whose ``<ns>`` has a quota belongs to that
+namespace; a namespace past its quota loses its own least recently active record, so one tenant
+never pushes out another's. With quotas, the capacity evicts records of no namespace first (the
+quotas sum to at most the capacity, so only they can overflow it).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,13 +96,27 @@ class SessionRecord:
         return s[len(s) // 2]
 
 
+def namespace_of(session_id: str, quotas: Mapping[str, int]) -> str:
+    """The namespace of ``session_id`` ("" when it is none with a quota)."""
+    ns, sep, _ = session_id.partition(":")
+    return ns if sep and ns in quotas else ""
+
+
 class SessionTable:
-    def __init__(self, capacity: int = 100_000, ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self, capacity: int = 100_000, ttl_s: float = 3600.0, quotas: Mapping[str, int] | None = None
+    ) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self.ttl_s = ttl_s
+        self.quotas = dict(quotas or {})
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._buckets: dict[str, OrderedDict[str, None]] = {}
+        """With quotas: each namespace's ids, least recently written first ("": no namespace)."""
+        self.evicted_quota = 0
+        self.evicted_capacity = 0
+        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -104,12 +124,16 @@ class SessionTable:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._records
 
+    def namespace_count(self, ns: str) -> int:
+        return len(self._buckets.get(ns, ()))
+
     def get(self, session_id: str, now: float) -> SessionRecord | None:
         rec = self._records.get(session_id)
         if rec is None:
             return None
         if now - rec.last_activity > self.ttl_s:
-            del self._records[session_id]
+            self._drop(session_id)
+            self.expired += 1
             return None
         return rec
 
@@ -121,13 +145,31 @@ class SessionTable:
         return rec
 
     def put(self, rec: SessionRecord) -> list[SessionRecord]:
-        """Insert or refresh; returns the records evicted for capacity."""
-        self._records[rec.session_id] = rec
-        self._records.move_to_end(rec.session_id)
+        """Insert or refresh; returns the records evicted (the namespace's quota, the capacity)."""
+        sid = rec.session_id
+        self._records[sid] = rec
+        self._records.move_to_end(sid)
         evicted = []
+        if self.quotas:
+            ns = namespace_of(sid, self.quotas)
+            bucket = self._buckets.setdefault(ns, OrderedDict())
+            bucket[sid] = None
+            bucket.move_to_end(sid)
+            limit = self.quotas.get(ns)
+            while limit is not None and len(bucket) > limit:
+                old, _ = bucket.popitem(last=False)
+                evicted.append(self._records.pop(old))
+                self.evicted_quota += 1
         while len(self._records) > self.capacity:
-            _, old = self._records.popitem(last=False)
-            evicted.append(old)
+            unnamed = self._buckets.get("")
+            if unnamed:
+                old, _ = unnamed.popitem(last=False)
+                evicted.append(self._records.pop(old))
+            else:
+                _, first = self._records.popitem(last=False)
+                self._unbucket(first.session_id)
+                evicted.append(first)
+            self.evicted_capacity += 1
         return evicted
 
     def touch(self, session_id: str) -> None:
@@ -135,7 +177,7 @@ class SessionTable:
             self._records.move_to_end(session_id)
 
     def remove(self, session_id: str) -> SessionRecord | None:
-        return self._records.pop(session_id, None)
+        return self._drop(session_id)
 
     def expire(self, now: float) -> list[SessionRecord]:
         """Drop every record idle for longer than the TTL (oldest first; stops at the first fresh
@@ -145,6 +187,19 @@ class SessionTable:
             sid, rec = next(iter(self._records.items()))
             if now - rec.last_activity <= self.ttl_s:
                 break
-            del self._records[sid]
+            self._drop(sid)
             gone.append(rec)
+        self.expired += len(gone)
         return gone
+
+    def _drop(self, session_id: str) -> SessionRecord | None:
+        rec = self._records.pop(session_id, None)
+        if rec is not None:
+            self._unbucket(session_id)
+        return rec
+
+    def _unbucket(self, session_id: str) -> None:
+        if self.quotas:
+            bucket = self._buckets.get(namespace_of(session_id, self.quotas))
+            if bucket is not None:
+                bucket.pop(session_id, None)

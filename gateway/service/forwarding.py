@@ -137,7 +137,9 @@ class Forwarder:
         for ``inter_chunk_s`` at most, a non-streamed one for ``read_s``."""
         t = self.config.timeouts
         timeout = self._stream_timeout if stream else self.upstream.timeout
-        tries = [decision.engine, *decision.fallbacks[:1]]
+        # the retry goes to the best fallback that is routable now (the first one may be the
+        # engine that just died, not yet ejected when the decision was made)
+        tries = [decision.engine, *[f for f in decision.fallbacks if self.cluster.routable(f)][:1]]
         hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
         last: BaseException | None = None
         for i, name in enumerate(tries):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 _LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -11,6 +11,8 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # the standard process_* metrics: process_resident_memory_bytes (RSS), open fds, CPU...
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "agentgw_requests",
             "Requests by route, status, pool and engine",
@@ -106,6 +108,13 @@ class GatewayMetrics:
         self.session_store_resyncs = Counter(
             "agentgw_session_store_resyncs",
             "Times the local view was written back to Redis after an outage",
+            registry=r,
+        )
+        self.session_evictions = Counter(
+            "agentgw_session_evictions",
+            "Sessions forgotten before their TTL: tenant_quota (the tenant's own least recently "
+            "active, past auth.tenants[].max_sessions) or capacity (sessions.capacity)",
+            ["reason"],
             registry=r,
         )
         self.engine_panic = Gauge(

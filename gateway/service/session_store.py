@@ -5,9 +5,14 @@ gateway replicas agree on placement.
 (or None) and returns the record to store (or None to leave it), so concurrent writers (the end of
 one turn, the placement of the next, on different replicas) never lose each other's fields.
 
-Memory: the core :class:`~gateway.core.sessions.SessionTable` (capacity + TTL, LRU).
+Memory: the core :class:`~gateway.core.sessions.SessionTable` (capacity + TTL, LRU, per-tenant
+quotas).
 Redis: one JSON value per session under ``<prefix>s:<id>`` with the TTL as its expiry, and a
 sorted set ``<prefix>lru`` (score = last activity) trimmed to ``capacity`` on every write;
+with tenant quotas (``auth.tenants[].max_sessions``) also one sorted set per namespace,
+``<prefix>ns:<tenant>`` (``<prefix>ns:`` for ids of no tenant), each trimmed to its tenant's quota
+by evicting that tenant's own oldest sessions; the capacity trim then takes ids of no tenant
+first, so one tenant's writes never evict another tenant's sessions;
 ``update`` is an optimistic transaction (WATCH / MULTI, retried on conflict at most
 ``max_conflicts`` times, then :class:`SessionStoreBusy`, a 503 with ``Retry-After``).
 
@@ -38,7 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from gateway.core.sessions import SessionRecord, SessionTable
+from gateway.core.sessions import SessionRecord, SessionTable, namespace_of
 from gateway.errors import ApiError
 from gateway.service.metrics import GatewayMetrics
 
@@ -78,20 +83,43 @@ MAX_RECENT_LISTING = 1000
 """The most records one :meth:`SessionStore.recent` call returns (the dashboard's listing)."""
 
 
+def _count_evictions(table: SessionTable, before: tuple[int, int], metrics: GatewayMetrics | None) -> None:
+    if metrics is None:
+        return
+    quota, capacity = table.evicted_quota - before[0], table.evicted_capacity - before[1]
+    if quota:
+        metrics.session_evictions.labels("tenant_quota").inc(quota)
+    if capacity:
+        metrics.session_evictions.labels("capacity").inc(capacity)
+
+
 class MemorySessionStore:
-    def __init__(self, capacity: int, ttl_s: float) -> None:
-        self.table = SessionTable(capacity, ttl_s)
+    def __init__(
+        self,
+        capacity: int,
+        ttl_s: float,
+        quotas: dict[str, int] | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.table = SessionTable(capacity, ttl_s, quotas)
+        self.metrics = metrics
 
     async def get(self, session_id: str, now: float) -> SessionRecord | None:
         return self.table.get(session_id, now)
 
     async def put(self, rec: SessionRecord) -> None:
-        self.table.put(rec)
+        self._put(rec)
+
+    def _put(self, rec: SessionRecord) -> None:
+        t = self.table
+        before = (t.evicted_quota, t.evicted_capacity)
+        t.put(rec)
+        _count_evictions(t, before, self.metrics)
 
     async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
         rec = fn(self.table.get(session_id, now))
         if rec is not None:
-            self.table.put(rec)
+            self._put(rec)
         return rec
 
     async def delete(self, session_id: str) -> SessionRecord | None:
@@ -124,8 +152,9 @@ class RedisSessionStore:
         retry_s: float = 1.0,
         max_conflicts: int = 16,
         local_capacity: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         metrics: GatewayMetrics | None = None,
+        quotas: dict[str, int] | None = None,
     ) -> None:
         self.redis = aioredis.from_url(
             url,
@@ -140,7 +169,8 @@ class RedisSessionStore:
         self.max_conflicts = max_conflicts
         self.clock = clock
         self.metrics = metrics
-        self.local = SessionTable(local_capacity or capacity, ttl_s)
+        self.quotas = dict(quotas or {})
+        self.local = SessionTable(local_capacity or capacity, ttl_s, self.quotas)
         self.degraded = False
         self.fallbacks = 0
         self.resyncs = 0
@@ -150,6 +180,12 @@ class RedisSessionStore:
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}s:{session_id}"
+
+    def _ns_key(self, session_id: str) -> str | None:
+        """The sorted set of the id's namespace (None without quotas)."""
+        if not self.quotas:
+            return None
+        return f"{self.prefix}ns:{namespace_of(session_id, self.quotas)}"
 
     # -- public operations: Redis when it answers, the local view when it does not --------------
     async def get(self, session_id: str, now: float) -> SessionRecord | None:
@@ -188,8 +224,7 @@ class RedisSessionStore:
     async def delete(self, session_id: str) -> SessionRecord | None:
         async def remote() -> SessionRecord | None:
             rec = await self._get(session_id)
-            await self.redis.delete(self._key(session_id))
-            await self.redis.zrem(f"{self.prefix}lru", session_id)
+            await self._forget(session_id)
             local = self.local.remove(session_id)
             return rec or local
 
@@ -276,11 +311,14 @@ class RedisSessionStore:
                 await self.redis.ping()
                 while self._dirty:
                     session_id, rec = next(iter(self._dirty.items()))
-                    if rec is not None:
-                        await self._update(session_id, _newer(rec))
-                    else:
-                        await self.redis.delete(self._key(session_id))
-                        await self.redis.zrem(f"{self.prefix}lru", session_id)
+                    left_ms = (
+                        int((self.ttl_ms / 1000 - (self.clock() - rec.last_activity)) * 1000) if rec else 0
+                    )
+                    if rec is not None and left_ms > 0:
+                        # what is left of its TTL, not a new one (it was idle through the outage)
+                        await self._update(session_id, _newer(rec), left_ms)
+                    else:  # deleted, or expired meanwhile
+                        await self._forget(session_id)
                     if session_id in self._dirty and self._dirty[session_id] is rec:
                         del self._dirty[session_id]
             except (*OUTAGE_ERRORS, SessionStoreBusy) as exc:
@@ -295,14 +333,21 @@ class RedisSessionStore:
             return True
 
     # -- Redis ----------------------------------------------------------------------------------
+    async def _forget(self, session_id: str) -> None:
+        await self.redis.delete(self._key(session_id))
+        await self.redis.zrem(f"{self.prefix}lru", session_id)
+        ns = self._ns_key(session_id)
+        if ns is not None:
+            await self.redis.zrem(ns, session_id)
+
     async def _get(self, session_id: str) -> SessionRecord | None:
         raw = await self.redis.get(self._key(session_id))
         if raw is None:
             return None
         return SessionRecord.from_dict(orjson.loads(raw))
 
-    async def _update(self, session_id: str, fn: Mutation) -> SessionRecord | None:
-        key, lru = self._key(session_id), f"{self.prefix}lru"
+    async def _update(self, session_id: str, fn: Mutation, ttl_ms: int | None = None) -> SessionRecord | None:
+        key, lru, ns = self._key(session_id), f"{self.prefix}lru", self._ns_key(session_id)
         async with self.redis.pipeline(transaction=True) as p:
             for _attempt in range(self.max_conflicts):
                 try:
@@ -313,8 +358,11 @@ class RedisSessionStore:
                         await p.unwatch()
                         return None
                     p.multi()
-                    p.set(key, orjson.dumps(rec.to_dict()), px=self.ttl_ms)
+                    p.set(key, orjson.dumps(rec.to_dict()), px=ttl_ms or self.ttl_ms)
                     p.zadd(lru, {session_id: rec.last_activity})
+                    if ns is not None:
+                        p.zadd(ns, {session_id: rec.last_activity})
+                        p.zcard(ns)
                     p.zcard(lru)
                     res = await p.execute()
                     break
@@ -329,18 +377,40 @@ class RedisSessionStore:
                     "session_busy",
                     1,
                 )
+        if ns is not None:
+            limit = self.quotas.get(namespace_of(session_id, self.quotas))
+            if limit is not None and int(res[-2]) > limit:
+                await self._evict(ns, int(res[-2]) - limit, "tenant_quota")
         await self._trim(int(res[-1]))
         return rec
 
     async def _trim(self, size: int) -> None:
-        lru = f"{self.prefix}lru"
+        """Past the capacity: ids of no tenant go first (with quotas), then the oldest of all."""
         excess = size - self.capacity
+        if excess > 0 and self.quotas:
+            excess -= await self._evict(f"{self.prefix}ns:", excess, "capacity")
         if excess > 0:
-            old = await self.redis.zpopmin(lru, excess)
-            if old:
-                await self.redis.delete(
-                    *(self._key(m.decode() if isinstance(m, bytes) else m) for m, _ in old)
-                )
+            await self._evict(f"{self.prefix}lru", excess, "capacity")
+
+    async def _evict(self, zset: str, n: int, reason: str) -> int:
+        """Forget the ``n`` oldest members of ``zset`` (from every set they are in)."""
+        old = await self.redis.zpopmin(zset, n)
+        ids = [m.decode() if isinstance(m, bytes) else m for m, _ in old]
+        if not ids:
+            return 0
+        await self.redis.delete(*(self._key(i) for i in ids))
+        await self.redis.zrem(f"{self.prefix}lru", *ids)
+        if self.quotas:
+            by_ns: dict[str, list[str]] = {}
+            for i in ids:
+                by_ns.setdefault(f"{self.prefix}ns:{namespace_of(i, self.quotas)}", []).append(i)
+            for zs, members in by_ns.items():
+                await self.redis.zrem(zs, *members)
+        for i in ids:
+            self.local.remove(i)
+        if self.metrics is not None:
+            self.metrics.session_evictions.labels(reason).inc(len(ids))
+        return len(ids)
 
 
 def _newer(rec: SessionRecord) -> Mutation:

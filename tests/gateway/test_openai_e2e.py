@@ -74,7 +74,12 @@ def test_models_lists_the_served_model(gateway: ServedGateway) -> None:
 def test_health_ready_metrics(gateway: ServedGateway) -> None:
     assert httpx.get(gateway.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(gateway.url + "/ready").json()
-    assert ready == {"ready": True, "pools": {"first_turn": True, "warm": True}, "degraded": False}
+    assert ready == {
+        "ready": True,
+        "pools": {"first_turn": True, "warm": True},
+        "degraded": False,
+        "draining": False,
+    }
     text = httpx.get(gateway.url + "/metrics").text
     for name in (
         "agentgw_requests_total",

@@ -89,6 +89,26 @@ def stored(rp: RedisProcess, sid: str) -> dict[str, Any] | None:
     return None if raw is None else orjson.loads(raw)
 
 
+async def test_resync_keeps_what_is_left_of_the_ttl(rp: RedisProcess) -> None:
+    """A session written during the outage gets the rest of its TTL back in Redis, not a new
+    one (the soak found sessions idle past the TTL still stored after a Redis bounce)."""
+    clock = Clock()
+    store = RedisSessionStore(rp.url, 100, 10.0, clock=clock, retry_s=1.0)
+    try:
+        rp.stop()
+        await store.put(rec("fresh", 0.0))
+        await store.put(rec("old", -9.5))
+        assert store.degraded
+        rp.start()
+        clock.t = 7.0  # "fresh" has 3 s left, "old" expired at 0.5
+        assert not await store.probe()
+        ttl_ms = rp.client().pttl("agentgw:s:fresh")
+        assert 0 < ttl_ms <= 3000
+        assert stored(rp, "old") is None
+    finally:
+        await store.close()
+
+
 async def test_store_serves_locally_while_redis_is_down_and_resyncs(rp: RedisProcess) -> None:
     clock, metrics = Clock(), GatewayMetrics()
     store = RedisSessionStore(rp.url, 100, 3600, clock=clock, metrics=metrics, retry_s=5.0)
