@@ -149,6 +149,15 @@ class RoutingConfig(_Strict):
     """Weight of the later KV move in the first-turn pool's cost (work-conserving split)."""
     split_interference_weight: float = Field(1.0, ge=0)
     """Weight of the decode interference a warm engine's uncached prefill causes (work-conserving split)."""
+    role_controller: bool = False
+    """Re-assign engines between ``first_turn`` and ``warm`` from the measured prefill backlog and
+    decode load (gateway/core/roles.py: hysteresis, one change per tick, minimum dwell)."""
+    role_interval_s: float = Field(1.0, ge=0.05, le=60)
+    """Period of the role controller's tick."""
+    role_backlog_tokens_per_engine: int = Field(65_536, gt=0)
+    """Prefill backlog (uncached prompt tokens, all engines) one first-turn engine is sized for."""
+    role_min_dwell_s: float = Field(30.0, ge=0)
+    """An engine keeps a role at least this long before the controller changes it again."""
     weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
     """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False

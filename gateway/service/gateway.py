@@ -36,6 +36,7 @@ from gateway.service.migrations import MigrationExecutor
 from gateway.service.placement import Analysis, Placement
 from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
+from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
 
@@ -108,6 +109,9 @@ class GatewayService:
         self.admission = Admission(config.admission, metrics=metrics)
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
+        self.roles = (
+            RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
+        )
 
     @property
     def index(self) -> Any:
@@ -116,6 +120,8 @@ class GatewayService:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        if self.roles is not None:
+            self.roles.start()
         self._zmq = zmq.asyncio.Context()
         for s in self.cluster.engines.values():
             if s.config.kv_events:
@@ -124,6 +130,8 @@ class GatewayService:
                 self.subscribers.append(sub)
 
     async def stop(self) -> None:
+        if self.roles is not None:
+            await self.roles.stop()
         await self.prompts.aclose()
         await self.migrations.stop()
         for sub in self.subscribers:
@@ -197,6 +205,7 @@ class GatewayService:
         await self.placement.settle(plan.analysis, plan.decision, None, ok=False)
 
     async def finish(self, plan: Plan, up: Relay, status: str) -> None:
+        up.finished()
         self.cluster.end(up.engine)
         await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
 
