@@ -2,8 +2,9 @@
 controller read as ``EngineView.decoding`` and ``EngineView.prefill_backlog_tokens``.
 
 A request the gateway sends to an engine is *prefilling* from the moment it is sent until its
-first response byte arrives (for a streamed answer the first token; for a non-streamed one the
-whole answer, so it never counts as decoding), then *decoding* until it finishes. While it
+first response body byte arrives (for a streamed answer the first token; for a non-streamed one
+the whole answer, so it counts as prefilling while it decodes and as decoding only while it is
+relayed), then *decoding* until it finishes. While it
 prefills, its uncached prompt tokens (the routing decision's ``uncached_tokens``) count in the
 engine's prefill backlog. Callers hold one :class:`Ticket` per request and report its phase
 changes; the ledger keeps three counters per engine (bounded by the engine list), and every
