@@ -131,9 +131,11 @@ class RoutingConfig(_Strict):
     saturation_max_queue: int = Field(64, ge=0)
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
-    split: Literal["cost", "wall"] = "wall"
+    split: Literal["cost", "wall"] = "cost"
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
-    sides with the engine cost model below (gateway/core/policies/split.py); ``wall`` is the fixed
+    sides with the engine cost model below (gateway/core/policies/split.py) and the load the
+    gateway measures (in-flight prefills and decodes per engine): an idle warm engine takes a
+    first turn, a busy one leaves it to the first-turn pool; ``wall`` is the fixed
     ``first_turn_threshold_tokens``."""
     cost_prefill_ms: tuple[float, float, float] = RoutingParams().cost_prefill_ms
     """Pass time of T uncached tokens: p0 + p1*T + p2*T^2 ms (fit to the engines' step times)."""
