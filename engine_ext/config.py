@@ -19,7 +19,11 @@ def kv_transfer_config(
     mooncake_master: str | None = None,
     mooncake_metadata: str | None = None,
     retention: dict[str, Any] | None = None,
+    mooncake_segment_bytes: int | None = None,
 ) -> dict[str, Any]:
+    """``mooncake_segment_bytes``: the memory this engine lends the Mooncake store (the client's
+    global segment; the tier's default when None). 0 makes the engine a pure client, so its
+    objects live on store nodes and survive the engine (see docs/engine_ext.md)."""
     extra: dict[str, Any] = {
         "spec_name": "AgentOffloadingSpec",
         "spec_module_path": "engine_ext.spec",
@@ -40,6 +44,8 @@ def kv_transfer_config(
         }
         if retention is not None:
             tier["retention"] = retention
+        if mooncake_segment_bytes is not None:
+            tier["global_segment_size"] = mooncake_segment_bytes
         extra["secondary_tiers"] = [tier]
     return {
         "kv_connector": "OffloadingConnector",

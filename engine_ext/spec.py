@@ -84,11 +84,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
                     "pinned_sessions": len(policy.pins),
                     "evictions_refused_for_pins": policy.num_pin_protected_evictions_refused,
                 },
-                "tiers": {
-                    t.tier_type: {**t.counters.snapshot(), "jobs_in_flight": t.jobs_in_flight}
-                    for t in tiers
-                    if isinstance(t, ObjectStoreTier)
-                },
+                "tiers": {t.tier_type: t.stats() for t in tiers if isinstance(t, ObjectStoreTier)},
             }
 
         server = ControlServer(

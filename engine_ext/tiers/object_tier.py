@@ -28,9 +28,20 @@ dtype (bf16/fp16) and is lossy, so it suits attention KV, not Mamba state. FP8 o
 `stored_object_bytes` / `loaded_object_bytes` count what went over the wire; `stored_bytes` /
 `loaded_bytes` count KV bytes (host-chunk bytes) in both formats.
 
+Store outages (the master killed or restarting): the store sits behind
+`engine_ext.tiers.breaker.GuardedStore`. A store job (and an FP8 load) first asks whether
+its first object exists: an existence check fails at once when the master is gone, where a put
+(or `get_batch`) retries for seconds, so an outage costs one fast failed call; then the breaker
+answers every call at once for `breaker_cooldown_s` (default 2 s): lookups are misses, loads
+fail, stores are dropped, and vLLM recomputes. Counted in `unavailable_lookups`, `unavailable_loads`, `unavailable_stores` (chunks)
+and `vllm:agentgw_tier_unavailable`; the breaker's own counters are in `stats()["breaker"]`. A
+master restart loses every key, so the keys remembered as present are forgotten when the breaker
+trips, and any such key a lookup finds missing is forgotten too: offload resumes after the
+restart with the next stores.
+
 Parameters (tier config): `key_namespace` (default "agentgw"), `io_threads` (4),
 `load_parallelism` (4), `verify_checksum` (true), `max_key_cache` (65536), `retention`,
-`object_format` ("raw"), `fp8_group` (128).
+`object_format` ("raw"), `fp8_group` (128), `breaker_cooldown_s` (2.0).
 """
 
 from __future__ import annotations
@@ -72,7 +83,8 @@ from vllm.v1.kv_offload.tiering.base import (
 
 import kernels
 from engine_ext.retention import make_retention, offers
-from engine_ext.tiers.store import ObjectStore
+from engine_ext.tiers.breaker import GuardedStore
+from engine_ext.tiers.store import ObjectStore, StoreUnavailable
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -87,6 +99,7 @@ M_DUP_SKIPPED = "vllm:agentgw_tier_duplicate_stores_skipped"
 M_LOAD_FAILURES = "vllm:agentgw_tier_load_failures"
 M_STORE_LATENCY = "vllm:agentgw_tier_store_latency_seconds"
 M_LOAD_LATENCY = "vllm:agentgw_tier_load_latency_seconds"
+M_UNAVAILABLE = "vllm:agentgw_tier_unavailable"
 _LAT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
 
@@ -105,6 +118,9 @@ class TierCounters:
         self.duplicate_stores_skipped = 0
         self.load_failures = 0
         self.retention_skipped = 0
+        self.unavailable_lookups = 0
+        self.unavailable_loads = 0
+        self.unavailable_stores = 0
         self.store_seconds = 0.0
         self.load_seconds = 0.0
 
@@ -118,7 +134,11 @@ class _ExistsLookup(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier.store.batch_exists([self._tier.key_name(k) for k in keys])
+        try:
+            return self._tier.store.batch_exists([self._tier.key_name(k) for k in keys])
+        except StoreUnavailable:  # a miss: vLLM computes these blocks
+            self._tier.count_unavailable("unavailable_lookups", len(keys))
+            return [False] * len(keys)
 
 
 class ObjectStoreTier(SecondaryTierManager):
@@ -141,6 +161,7 @@ class ObjectStoreTier(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         object_format: str = "raw",
         fp8_group: int = 128,
+        breaker_cooldown_s: float = 2.0,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._kv_dtype: torch.dtype | None = None  # set: objects are FP8-packed chunks of this dtype
@@ -156,7 +177,8 @@ class ObjectStoreTier(SecondaryTierManager):
         else:
             raise ValueError(f"object_format must be 'raw' or 'fp8_e4m3', not {object_format!r}")
         self.locality = Locality(locality) if locality is not None else None
-        self.store = store
+        self.store = store if isinstance(store, GuardedStore) else GuardedStore(store, breaker_cooldown_s)
+        self._epoch = self.store.epoch
         self.counters = TierCounters()
         self.retention = make_retention(retention)
         self._verify = verify_checksum
@@ -201,6 +223,12 @@ class ObjectStoreTier(SecondaryTierManager):
                 self._key_names.popitem(last=False)
         return name
 
+    def _forget_present_after_outage(self) -> None:
+        """A trip of the breaker may mean a master restart, which loses every key."""
+        if self.store.epoch != self._epoch:
+            self._epoch = self.store.epoch
+            self._known_present.clear()
+
     def _remember_present(self, keys: Iterable[OffloadKey]) -> None:
         for k in keys:
             self._known_present[k] = None
@@ -222,10 +250,12 @@ class ObjectStoreTier(SecondaryTierManager):
             self._count(M_HITS, 1)
             return LookupResult.HIT
         self.counters.lookup_misses += 1
+        self._known_present.pop(key, None)  # gone (e.g. a master restart): store it again
         return LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
+        self._forget_present_after_outage()
         keys, chunk_ids = [], []
         offered = list(job_metadata.keys)
         kept = set(self.retention.select(offers(offered, get_offload_group_idx)))
@@ -244,13 +274,15 @@ class ObjectStoreTier(SecondaryTierManager):
         names = [self.key_name(k) for k in keys]
         overwrite = [k in self._overwrite for k in keys]
         self._overwrite.difference_update(keys)
-        self._submit(self._run_store, job_id, names, chunk_ids, overwrite)
+        self._submit(self._run_store, job_id, names, chunk_ids, overwrite, len(names))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         self._load_keys[job_metadata.job_id] = keys
         names = [self.key_name(k) for k in keys]
-        self._submit(self._run_load, job_metadata.job_id, names, [int(c) for c in job_metadata.chunk_ids])
+        self._submit(
+            self._run_load, job_metadata.job_id, names, [int(c) for c in job_metadata.chunk_ids], len(names)
+        )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
@@ -333,6 +365,9 @@ class ObjectStoreTier(SecondaryTierManager):
             M_LOAD_LATENCY: OffloadingHistogramMetadata(
                 "Object tier load job latency.", buckets=_LAT_BUCKETS
             ),
+            M_UNAVAILABLE: OffloadingCounterMetadata(
+                "Chunks looked up, loaded or stored while the store was unavailable (recomputed or dropped)."
+            ),
         }
 
     def _stats_obj(self) -> OffloadingConnectorStats:
@@ -352,6 +387,18 @@ class ObjectStoreTier(SecondaryTierManager):
         with self._stats_lock:
             self._stats_obj().observe_histogram(name, value)
 
+    def count_unavailable(self, counter: str, n: int) -> None:
+        setattr(self.counters, counter, getattr(self.counters, counter) + n)
+        self._count(M_UNAVAILABLE, n)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the breaker's state and counters, and the jobs in flight (`/v1/kv/stats`)."""
+        return {
+            **self.counters.snapshot(),
+            "jobs_in_flight": self.jobs_in_flight,
+            "breaker": {**self.store.counters.snapshot(), "open": self.store.is_open},
+        }
+
     def get_stats(self) -> OffloadingConnectorStats | None:
         with self._stats_lock:
             stats, self._stats = self._stats, None
@@ -365,8 +412,13 @@ class ObjectStoreTier(SecondaryTierManager):
 
     def _guarded(self, fn: Any, job_id: JobId, *args: Any) -> None:
         start = time.perf_counter()
+        *args, n_chunks = args
         try:
             result = fn(job_id, *args, start=start)
+        except StoreUnavailable:  # nothing moved: loads are recomputed, stores dropped
+            kind = "unavailable_loads" if fn == self._run_load else "unavailable_stores"
+            self.count_unavailable(kind, n_chunks)
+            result = JobResult(job_id=job_id, success=False, transfer_time=time.perf_counter() - start)
         except Exception:  # an I/O error fails the job; the scheduler recomputes
             result = JobResult(job_id=job_id, success=False, transfer_time=time.perf_counter() - start)
         self._finished.put(result)
@@ -382,6 +434,7 @@ class ObjectStoreTier(SecondaryTierManager):
     ) -> JobResult:
         if not names:
             return JobResult(job_id=job_id, success=True, transfer_time=0.0, transfer_bytes=0)
+        self.store.batch_exists(names[:1])  # fails at once without a master; a put retries for seconds
         size = self.block_size_bytes
         if self._kv_dtype is not None:
             rcs = self._store_fp8(names, chunk_ids)
@@ -438,7 +491,7 @@ class ObjectStoreTier(SecondaryTierManager):
         size = self.block_size_bytes
         rcs = self.store.batch_get_into(names, [self._ptr(c) for c in chunk_ids], [size] * len(names))
         good = [rc == size for rc in rcs]
-        if self._verify:
+        if self._verify and any(good):
             crcs = self.store.batch_get_bytes([n + ".crc" for n in names])
             for i, c in enumerate(chunk_ids):
                 if good[i]:
@@ -448,6 +501,7 @@ class ObjectStoreTier(SecondaryTierManager):
         return good
 
     def _load_fp8(self, names: list[str], chunk_ids: list[int]) -> list[bool]:
+        self.store.batch_exists(names[:1])  # fails at once without a master; get_batch retries for seconds
         blobs = self.store.batch_get_bytes(names)
         good = [len(b) == self._object_bytes for b in blobs]
         if self._verify:

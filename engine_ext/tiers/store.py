@@ -5,7 +5,9 @@ all addressed by prebuilt key strings and raw host pointers (zero-copy for Moonc
 buffer is registered). Return values follow Mooncake: per key, `>= 0` is success (bytes for
 gets), negative is an error code.
 
-- `MooncakeObjectStore`: the real `MooncakeDistributedStore` over TCP.
+- `MooncakeObjectStore`: the real `MooncakeDistributedStore` over TCP. A call the master could
+  not answer (RPC_FAIL, -900: the master is down or restarting) raises `StoreUnavailable`, so
+  `engine_ext.tiers.breaker.GuardedStore` can stop calling until it is back.
 - `MemoryObjectStore`: an in-process dict, for unit tests and fault injection.
 """
 
@@ -15,7 +17,20 @@ import ctypes
 import threading
 from typing import Protocol
 
-__all__ = ["MemoryObjectStore", "MooncakeObjectStore", "ObjectStore"]
+__all__ = ["RPC_FAIL", "MemoryObjectStore", "MooncakeObjectStore", "ObjectStore", "StoreUnavailable"]
+
+RPC_FAIL = -900
+"""Mooncake's error code for a call the master did not answer."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The store's master cannot be reached: nothing was stored or read (not a per-key miss)."""
+
+
+def _checked(op: str, rcs: list[int]) -> list[int]:
+    if RPC_FAIL in rcs:
+        raise StoreUnavailable(f"mooncake {op}: master unreachable (rc={RPC_FAIL})")
+    return rcs
 
 
 class ObjectStore(Protocol):
@@ -115,19 +130,19 @@ class MooncakeObjectStore:
             raise RuntimeError(f"mooncake register_buffer failed (rc={rc})")
 
     def batch_exists(self, keys: list[str]) -> list[bool]:
-        return [r == 1 for r in self._store.batch_is_exist(keys)]
+        return [r == 1 for r in _checked("exists", list(self._store.batch_is_exist(keys)))]
 
     def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        return list(self._store.batch_put_from(keys, ptrs, sizes))
+        return _checked("put", list(self._store.batch_put_from(keys, ptrs, sizes)))
 
     def batch_upsert_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        return list(self._store.batch_upsert_from(keys, ptrs, sizes))
+        return _checked("upsert", list(self._store.batch_upsert_from(keys, ptrs, sizes)))
 
     def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        return list(self._store.batch_get_into(keys, ptrs, sizes))
+        return _checked("get", list(self._store.batch_get_into(keys, ptrs, sizes)))
 
     def batch_put_bytes(self, keys: list[str], values: list[bytes]) -> int:
-        return int(self._store.upsert_batch(keys, values))
+        return _checked("upsert_batch", [int(self._store.upsert_batch(keys, values))])[0]
 
     def batch_get_bytes(self, keys: list[str]) -> list[bytes]:
         return list(self._store.get_batch(keys))

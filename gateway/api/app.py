@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_routes
 from gateway.api.anthropic_routes import MESSAGES_WIRE
@@ -51,6 +52,17 @@ class GatewayApp:
                 await endpoint(scope, receive, send)
                 return
         await self.api(scope, receive, send)
+
+
+def allowed_methods(request: Request) -> str:
+    """The methods some route serves at this request's path (HEAD, implied by GET, left out)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match is not Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return ", ".join(sorted(methods - {"HEAD"}))
 
 
 def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
@@ -110,10 +122,14 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every method the path serves (RFC 9110), not one route's
+            headers["Allow"] = allowed_methods(request)
         return Response(
             error_body(exc.status_code, str(exc.detail)),
             status_code=exc.status_code,
             media_type="application/json",
+            headers=headers,
         )
 
     @api.exception_handler(RequestValidationError)
@@ -129,12 +145,15 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
     for path in HOT_ROUTES:
         # Documented in the schema; the dispatcher above serves POST before FastAPI sees it, and
         # this handler answers the other methods with an OpenAI-shaped 405.
-        @api.api_route(path, methods=["GET", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+        @api.api_route(
+            path, methods=["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"], include_in_schema=False
+        )
         async def _wrong_method(request: Request) -> Response:
             return Response(
                 error_body(405, f"use POST for {request.url.path}"),
                 status_code=405,
                 media_type="application/json",
+                headers={"Allow": "POST"},
             )
 
     return GatewayApp(api)

@@ -25,6 +25,13 @@ shortest queue and the name.
 
 The expected gap is the hinted tool latency, else the session's median observed gap, else
 ``default_gap_s`` (decided by the caller, passed in ``turn.gap_s``).
+
+``plan_rehome(session, dead, engines, matches, params) -> PlanAction | None``, pure: the session's
+home engine is down (ejected). ``move`` (``engine_down``) to the best healthy engine of the dead
+engine's pool, ranked like the targets above (queue and room as preferences, not exclusions: the
+session needs a home either way); None when the pool has no healthy engine left. The caller
+re-homes the session at once and, when it has the session's token ids, prefetches its prefix on
+the target from the shared tier (Mooncake) during the gap.
 """
 
 from __future__ import annotations
@@ -138,3 +145,39 @@ def plan_after_turn(
         if ranked:
             return PlanAction(ActionKind.MOVE, sid, src, (ranked[0].name,), pin, "rebalance")
     return PlanAction(ActionKind.STAY, sid, src, (), pin, "stay")
+
+
+def plan_rehome(
+    session_id: str,
+    dead: str,
+    context_tokens: int,
+    block_size: int,
+    engines: Sequence[EngineView],
+    matches: dict[str, PrefixMatch],
+    params: PlannerParams,
+    gap_s: float = 0.0,
+) -> PlanAction | None:
+    pool = next((e.pool for e in engines if e.name == dead), None)
+    if pool is None:
+        return None
+    blocks = -(-context_tokens // block_size)
+    none = PrefixMatch()
+
+    def rank(e: EngineView) -> tuple[bool, bool, int, float, float, int, str]:
+        m = matches.get(e.name, none)
+        fits = e.capacity_blocks <= 0 or e.kv_usage + blocks / e.capacity_blocks <= 1.0
+        return (
+            not fits,
+            e.queue > params.max_target_queue,
+            -m.gpu_blocks,
+            -m.weighted_blocks,
+            e.kv_usage,
+            e.queue,
+            e.name,
+        )
+
+    live = sorted((e for e in engines if e.healthy and e.pool == pool and e.name != dead), key=rank)
+    if not live:
+        return None
+    pin = min(gap_s + params.pin_margin_s, params.max_pin_s)
+    return PlanAction(ActionKind.MOVE, session_id, dead, (live[0].name,), pin, "engine_down")

@@ -294,6 +294,21 @@ class HomeLedger:
         if session_id in self._homes:
             self._drop(session_id)
 
+    def on_engine(self, engine: str) -> list[str]:
+        """The sessions homed on ``engine`` (live or not yet expired), oldest activity first."""
+        return [sid for sid, h in self._homes.items() if h.engine == engine]
+
+    def moved(self, session_id: str, engine: str) -> None:
+        """The session was re-homed on ``engine`` between turns (its tokens go with it)."""
+        h = self._homes.get(session_id)
+        if h is None or h.engine == engine:
+            return
+        self._tokens[h.engine] -= h.tokens
+        if self._tokens[h.engine] <= 0:
+            del self._tokens[h.engine]
+        h.engine = engine
+        self._tokens[engine] += h.tokens
+
     def homed(self, now: float) -> Counter[str]:
         """Tokens homed per engine now (read-only for the caller)."""
         horizon = now - self.live_s

@@ -2,10 +2,15 @@
 
 The master keeps its metadata in memory only: a restart loses every key. Clients need
 ``MC_TCP_BIND_ADDRESS=127.0.0.1``; ``MooncakeMaster.client_env`` carries it.
+
+``MooncakeStoreNode`` runs Mooncake's standalone ``mooncake_client`` lending a segment to the
+store: objects the master places there outlive the engines that wrote them (an engine's own
+segment goes with its process, and so do the objects in it).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -80,7 +85,89 @@ class MooncakeMaster:
             self._proc.wait()
         self._proc = None
 
+    def capacity_bytes(self) -> int:
+        """Memory the mounted segments lend the store (the master's ``master_total_capacity_bytes``)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("master_total_capacity_bytes "):
+                    return int(float(line.split()[1]))
+        return 0
+
+    def kill(self) -> None:
+        """SIGKILL the master (a crash: no clean shutdown); ``start()`` brings it back on the same
+        ports, with no keys."""
+        if self._proc is None:
+            return
+        self._proc.kill()
+        self._proc.wait()
+        self._proc = None
+
     def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class MooncakeStoreNode:
+    """A ``mooncake_client`` process lending ``segment_bytes`` of memory to ``master``'s store."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int = 256 << 20, log_path: Path | None = None):
+        here = Path(sys.executable).parent / "mooncake_client"
+        binary = str(here) if here.exists() else shutil.which("mooncake_client")
+        if binary is None:
+            raise FileNotFoundError("mooncake_client is not installed (pip install 'agentgw[store]')")
+        (port,) = free_ports(1)
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self._cmd = [
+            binary,
+            f"--master_server_address={master.master_address}",
+            f"--metadata_server={master.metadata_server}",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--global_segment_size={segment_bytes // (1 << 20)}MB",
+            "--local_buffer_size=0",
+            "--protocol=tcp",
+        ]
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 30.0) -> MooncakeStoreNode:
+        """Start it; ready once the master counts its segment."""
+        before = self.master.capacity_bytes()
+        out = open(self._log_path, "wb") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            self._cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **MooncakeMaster.client_env},
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self._proc.returncode}")
+            if self.master.capacity_bytes() >= before + self.segment_bytes:
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError("mooncake_client's segment was not mounted")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> MooncakeStoreNode:
         return self.start()
 
     def __exit__(

@@ -9,8 +9,9 @@ Panic (as Envoy's panic threshold): when the fraction of a pool's engines passin
 or below ``limits.panic_threshold`` (default 0: none passes), the pool is *panicking* and its
 views report every engine that did not refuse a connection as healthy, so a pool whose live
 engines are merely slow to answer probes under load keeps serving instead of answering 502/503.
-Engines that refused a connection (nothing listens) stay out. Load: ``/metrics`` is scraped every
-``metrics_interval_s`` for ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
+Engines that refused a connection (nothing listens) stay out. Every ejection calls the
+``on_eject`` callbacks with the engine's name (the re-homer moves its sessions). Load:
+``/metrics`` is scraped every ``metrics_interval_s`` for ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
 ``vllm:kv_cache_usage_perc``; the gateway's own in-flight count is kept exactly, and by phase
 (:class:`gateway.core.load.InflightLoad`: sent and not yet answered, with their uncached prompt
 tokens, vs past their first byte), which fills the views' ``prefill_backlog_tokens`` and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -114,6 +116,7 @@ class Cluster:
         self._tasks: list[asyncio.Task[None]] = []
         self._views: tuple[EngineView, ...] | None = None
         self.load = InflightLoad(self.engines)
+        self.on_eject: list[Callable[[str], None]] = []
 
     # -- reading -------------------------------------------------------------------------------
     def views(self) -> tuple[EngineView, ...]:
@@ -196,6 +199,7 @@ class Cluster:
                 s.healthy = False
                 log.warning("engine %s ejected after %d failed probes", name, s.failures)
                 self._changed()
+                self._ejected(name)
 
     def record_connect_failure(self, name: str) -> None:
         """Passive health: a refused connection ejects at once (no need to wait for probes)."""
@@ -208,6 +212,11 @@ class Cluster:
             s.healthy = False
             log.warning("engine %s ejected after a connection failure", name)
             self._changed()
+            self._ejected(name)
+
+    def _ejected(self, name: str) -> None:
+        for callback in self.on_eject:
+            callback(name)
 
     # -- tasks ---------------------------------------------------------------------------------
     async def probe_once(self) -> None:

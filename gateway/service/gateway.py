@@ -36,6 +36,7 @@ from gateway.service.migrations import MigrationExecutor
 from gateway.service.placement import Analysis, Placement
 from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
+from gateway.service.rehome import Rehomer
 from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
@@ -104,6 +105,7 @@ class GatewayService:
         self.placement = Placement(
             config, cluster, router, sessions, self.migrations, self.prompts, metrics, clock
         )
+        self.rehomer = Rehomer(cluster, self.placement, metrics, clock)
         self.forwarder = Forwarder(config, upstream, cluster, metrics)
         self.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
         self.admission = Admission(config.admission, metrics=metrics)
@@ -120,6 +122,7 @@ class GatewayService:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        self.cluster.on_eject.append(self.rehomer.engine_ejected)
         if self.roles is not None:
             self.roles.start()
         self._zmq = zmq.asyncio.Context()
@@ -132,6 +135,9 @@ class GatewayService:
     async def stop(self) -> None:
         if self.roles is not None:
             await self.roles.stop()
+        if self.rehomer.engine_ejected in self.cluster.on_eject:
+            self.cluster.on_eject.remove(self.rehomer.engine_ejected)
+        await self.rehomer.stop()
         await self.prompts.aclose()
         await self.migrations.stop()
         for sub in self.subscribers:

@@ -115,6 +115,13 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.sessions_rehomed = Counter(
+            "agentgw_sessions_rehomed",
+            "Sessions given a new home because theirs was ejected, by outcome "
+            "(prefetch: its prefix is being loaded there; moved; no_target)",
+            ["reason", "outcome"],
+            registry=r,
+        )
         self.analysis_skipped = Counter(
             "agentgw_analysis_skipped",
             "Requests routed on the approximate index because exact prompt analysis was skipped",

@@ -60,3 +60,56 @@ def test_plan(t, engines, matches, kind, targets, reason) -> None:  # type: igno
 def test_pin_ttl_is_gap_plus_margin_capped() -> None:
     assert plan_after_turn(turn(gap=40), [W0], {}, P).pin_ttl_s == 45
     assert plan_after_turn(turn(gap=10_000), [W0], {}, P).pin_ttl_s == P.max_pin_s
+
+
+DEAD = EngineView("w0", "warm", PoolRole.WARM, M, healthy=False)
+W1_DOWN = EngineView("w1", "warm", PoolRole.WARM, M, healthy=False)
+W2_FULL = EngineView("w2", "warm", PoolRole.WARM, M, kv_usage=0.95, capacity_blocks=100)
+W1_BUSY = EngineView("w1", "warm", PoolRole.WARM, M, running=5, waiting=20)
+
+
+@pytest.mark.parametrize(
+    ("engines", "matches", "target"),
+    [
+        # the least loaded live engine of the dead engine's pool, never another pool's
+        ([DEAD, W1, W2, F0], {}, "w2"),
+        # the one that already holds the session's prefix (device first)
+        ([DEAD, W1, W2], {"w1": PrefixMatch(10, 10, 10.0)}, "w1"),
+        # room for the context and a short queue are preferred, not required
+        ([DEAD, W1, W2_FULL], {"w2": PrefixMatch(10, 10, 10.0)}, "w1"),
+        ([DEAD, W1_BUSY, W2_FULL], {}, "w1"),
+        ([DEAD, W2_FULL], {}, "w2"),
+        # no healthy engine left in the pool: no plan (the next turn's routing decides)
+        ([DEAD, W1_DOWN, F0], {}, None),
+        ([F0], {}, None),  # the dead engine is not even configured
+    ],
+)
+def test_rehome_moves_to_the_best_live_engine_of_the_same_pool(  # type: ignore[no-untyped-def]
+    engines, matches, target
+) -> None:
+    from gateway.core.planner import plan_rehome
+
+    a = plan_rehome("s", "w0", 8_000, 128, engines, matches, P, gap_s=20.0)
+    if target is None:
+        assert a is None
+        return
+    assert a is not None
+    assert (a.kind, a.source, a.targets, a.reason) == (ActionKind.MOVE, "w0", (target,), "engine_down")
+    assert a.pin_ttl_s == 20.0 + P.pin_margin_s
+
+
+def test_home_ledger_lists_and_moves_an_engines_sessions() -> None:
+    from gateway.core.turn import HomeLedger
+
+    ledger = HomeLedger(live_s=30)
+    ledger.placed("a", "w0", 0.0)
+    ledger.settled("a", "w0", 1000, 1.0)
+    ledger.placed("b", "w1", 1.0)
+    ledger.settled("b", "w1", 500, 2.0)
+    ledger.placed("c", "w0", 2.0)
+    assert ledger.on_engine("w0") == ["a", "c"]
+    ledger.moved("a", "w1")
+    assert ledger.on_engine("w0") == ["c"] and ledger.on_engine("w1") == ["a", "b"]
+    assert dict(ledger.homed(3.0)) == {"w1": 1500}
+    ledger.moved("unknown", "w1")  # not in the ledger: nothing to move
+    assert dict(ledger.homed(3.0)) == {"w1": 1500}
