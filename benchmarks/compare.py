@@ -24,7 +24,10 @@ instead of the work-conserving cost split (the split as first built); ``+bal`` k
 subagents land where the fewest live sessions' context is homed, balancing the KV decoding
 sequences hold) and every other ``agentic`` policy runs it at 0, as first built; ``+intf`` adds
 the ``interference`` scorer (``--interference-weight``: new sessions land where their prefill
-costs least, counting the decoders it slows); ``+planner`` runs the
+costs least, counting the decoders it slows); ``+exact`` shows the router the engine model's exact
+decoding count and prefill backlog (``--load-view engine`` for every policy) where the default is
+what the live gateway's load ledger knows (``--load-view gateway``: prefilling from dispatch to
+first token with the decision's uncached tokens, then decoding); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
 (:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
 (what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
@@ -129,6 +132,7 @@ def run_one(
     interference_weight: float = 2.0,
     weights: dict[str, float] | None = None,
     routing_overrides: dict[str, float] | None = None,
+    load_view: str = "gateway",
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
     eng = ENGINES[engine]()
@@ -169,6 +173,7 @@ def run_one(
         first_turn_workers=first_turn_workers,
         tiers=tiers,
         roles=RoleParams() if "ctl" in flags else None,
+        load_view="engine" if "exact" in flags else load_view,
     )
     t0 = time.perf_counter()
     sim = simulate(plays, cfg, planner)
@@ -468,6 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also run Dynamo 1.6.1's replay (.dynamo-venv or $DYNAMO_PYTHON) on the same Weka traces",
     )
+    ap.add_argument(
+        "--load-view",
+        choices=("gateway", "engine"),
+        default="gateway",
+        help="what the router sees as decoding / prefill backlog: the live gateway's ledger "
+        "(default) or the engine model's exact state (+exact policies: always exact)",
+    )
     ap.add_argument("--dynamo-python", default=None, help="the Dynamo interpreter (default: .dynamo-venv)")
     args = ap.parse_args(argv)
 
@@ -502,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine_flags": engine_flags,
         "interference_weight": args.interference_weight,
         "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
+        "load_view": args.load_view,
         "routing_overrides": {
             k: float(v) if "." in v else int(v)
             for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)

@@ -1,4 +1,5 @@
-"""`agentgw serve`: config -> (local engines when none are configured) -> create_app -> uvicorn."""
+"""`agentgw serve`: config -> (local engines when none are configured) -> create_app -> uvicorn.
+`agentgw plan`: the pool layout a trace asks for, from the simulator (benchmarks/plan.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.service.tenants import TenantRegistry
@@ -44,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--model", help="the model the --engine URLs serve (default: tiny-llama)")
     serve.add_argument("--first-turn", type=int, default=1, help="local first-turn engines (default 1)")
     serve.add_argument("--warm", type=int, default=2, help="local warm engines (default 2)")
+    _add_plan(sub)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -80,6 +86,34 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
         return 0
     return _serve_embedded(args, overrides)
+
+
+def _plan_module() -> Any:
+    """benchmarks.plan, from the checkout this package runs from (the simulator is not installed)."""
+    try:
+        import benchmarks.plan as plan
+    except ImportError:
+        root = Path(__file__).resolve().parents[1]
+        if not (root / "benchmarks" / "plan.py").exists():
+            raise
+        sys.path.insert(0, str(root))
+        import benchmarks.plan as plan
+    return plan
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="recommend a pool layout for a trace and fleet (simulator)")
+    try:
+        _plan_module().add_arguments(plan)
+    except ImportError:  # no simulator here: `plan` then says so
+        plan.set_defaults(_no_sim=True)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    if getattr(args, "_no_sim", False):
+        print("agentgw plan: needs the simulator (benchmarks/ of the source checkout)", file=sys.stderr)
+        return 2
+    return int(_plan_module().run(args))
 
 
 def _serve_embedded(args: argparse.Namespace, overrides: dict[str, object]) -> int:

@@ -131,9 +131,11 @@ class RoutingConfig(_Strict):
     saturation_max_queue: int = Field(64, ge=0)
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
-    split: Literal["cost", "wall"] = "wall"
+    split: Literal["cost", "wall"] = "cost"
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
-    sides with the engine cost model below (gateway/core/policies/split.py); ``wall`` is the fixed
+    sides with the engine cost model below (gateway/core/policies/split.py) and the load the
+    gateway measures (in-flight prefills and decodes per engine): an idle warm engine takes a
+    first turn, a busy one leaves it to the first-turn pool; ``wall`` is the fixed
     ``first_turn_threshold_tokens``."""
     cost_prefill_ms: tuple[float, float, float] = RoutingParams().cost_prefill_ms
     """Pass time of T uncached tokens: p0 + p1*T + p2*T^2 ms (fit to the engines' step times)."""
@@ -149,6 +151,15 @@ class RoutingConfig(_Strict):
     """Weight of the later KV move in the first-turn pool's cost (work-conserving split)."""
     split_interference_weight: float = Field(1.0, ge=0)
     """Weight of the decode interference a warm engine's uncached prefill causes (work-conserving split)."""
+    role_controller: bool = False
+    """Re-assign engines between ``first_turn`` and ``warm`` from the measured prefill backlog and
+    decode load (gateway/core/roles.py: hysteresis, one change per tick, minimum dwell)."""
+    role_interval_s: float = Field(1.0, ge=0.05, le=60)
+    """Period of the role controller's tick."""
+    role_backlog_tokens_per_engine: int = Field(65_536, gt=0)
+    """Prefill backlog (uncached prompt tokens, all engines) one first-turn engine is sized for."""
+    role_min_dwell_s: float = Field(30.0, ge=0)
+    """An engine keeps a role at least this long before the controller changes it again."""
     weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
     """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False

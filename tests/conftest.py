@@ -82,7 +82,7 @@ def cluster_config(cluster: dict[str, LocalEngine], tiny_llama: Path, **override
             {"name": "warm", "role": "warm", "engines": [eng("warm0"), eng("warm1")]},
         ],
         "models": [{"name": MODEL, "tokenizer": str(tiny_llama), "block_size": 128, "hash_seed": HASH_SEED}],
-        "routing": {"first_turn_threshold_tokens": 512, "forward_priority": True},
+        "routing": {"split": "wall", "first_turn_threshold_tokens": 512, "forward_priority": True},
         "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
     }
     data.update(overrides)

@@ -21,6 +21,12 @@ virtual time the real :class:`gateway.core.roles.RoleController` reads each engi
 backlog, decoding sequences and KV usage and may flip one engine between ``first_turn`` and
 ``warm`` (pool names ``first`` / ``warm``); the initial layout is ``first_turn_workers``.
 
+Load view (``load_view``): ``engine`` gives the router each engine's exact decoding count and
+prefill backlog from the engine model; ``gateway`` gives what the live gateway knows
+(:mod:`gateway.core.load`, the same ledger and merge as ``gateway/service/cluster.py``): a
+request is prefilling with its decision's uncached tokens from its dispatch to its first token,
+then decoding until it completes, and the scraped running count bounds decoding from below.
+
 KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
 written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
 and their KV events (medium CPU / STORAGE) reach the prefix index.
@@ -45,6 +51,7 @@ from benchmarks.sim.tiers import Tiers, TiersConfig
 from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
 from gateway.core import turn as pipeline
 from gateway.core.hints import AgentHints
+from gateway.core.load import InflightLoad, Ticket, merge
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
@@ -81,6 +88,9 @@ class SimConfig:
     routing decisions (``gateway.core.turn.index_for``)."""
     roles: RoleParams | None = None
     """Drive the role controller in virtual time (None: roles stay as laid out)."""
+    load_view: str = "engine"
+    """``engine``: the router sees the engine model's exact decoding count and prefill backlog;
+    ``gateway``: what the live gateway's load ledger knows (see the module docstring)."""
 
 
 @dataclass(slots=True)
@@ -133,6 +143,7 @@ class _Inflight:
     """As routed (its hints are empty when the gateway keeps no session record for it)."""
     decision: Decision
     fan_out: int = 0
+    ticket: Ticket | None = None
 
 
 _ARRIVE, _PASS, _PLAY, _WAKE, _TICK = 0, 1, 2, 3, 4
@@ -164,6 +175,12 @@ class Simulator:
             else None
         )
         self.engines = [Engine(n, cfg.engine, on_kv, self.tiers) for n in names]
+        if cfg.load_view not in ("engine", "gateway"):
+            raise ValueError(f"unknown load_view {cfg.load_view!r}; choose 'engine' or 'gateway'")
+        self.load = InflightLoad(names) if cfg.load_view == "gateway" else None
+        if self.load is not None:
+            for e in self.engines:
+                e.on_first = self._on_first
         ft = cfg.first_turn_workers
         self._roles = [
             (("first", PoolRole.FIRST_TURN) if i < ft else ("warm", PoolRole.WARM))
@@ -256,6 +273,26 @@ class Simulator:
     def _views(self) -> tuple[EngineView, ...]:
         roles = self._roles
         homed = self.homes.homed(self.now)
+        load = self.load
+        if load is not None:
+            return tuple(
+                merge(
+                    EngineView(
+                        name=e.name,
+                        pool=roles[i][0],
+                        role=roles[i][1],
+                        models=self._models,
+                        running=len(e.running),
+                        waiting=len(e.waiting),
+                        kv_usage=e.kv_usage,
+                        inflight=self._inflight_n[i],
+                        capacity_blocks=e.cfg.num_blocks,
+                        homed_tokens=homed.get(e.name, 0),
+                    ),
+                    load.of(e.name),
+                )
+                for i, e in enumerate(self.engines)
+            )
         return tuple(
             EngineView(
                 name=e.name,
@@ -278,7 +315,14 @@ class Simulator:
         """A controller tick: measure, decide, apply; re-armed while other events are pending."""
         ctl = self.controller
         assert ctl is not None
-        loads = [EngineLoad(e.name, e.prefill_backlog_tokens(), e.decoding, e.kv_usage) for e in self.engines]
+        if self.load is not None:
+            loads = [
+                EngineLoad(v.name, v.prefill_backlog_tokens, v.decoding, v.kv_usage) for v in self._views()
+            ]
+        else:
+            loads = [
+                EngineLoad(e.name, e.prefill_backlog_tokens(), e.decoding, e.kv_usage) for e in self.engines
+            ]
         for ch in ctl.step(now, loads):
             self._roles[self._by_name[ch.engine]] = (_ROLE_POOL[ch.role], ch.role)
             self.role_changes += 1
@@ -329,7 +373,8 @@ class Simulator:
             turn = replace(turn, hints=AgentHints())
         self._rid += 1
         rid = self._rid
-        self._live[rid] = _Inflight(st, r, ei, turn, d, req.fan_out)
+        ticket = self.load.sent(d.engine, d.uncached_tokens) if self.load is not None else None
+        self._live[rid] = _Inflight(st, r, ei, turn, d, req.fan_out, ticket)
         self._inflight_n[ei] += 1
         self._trigger(st, idx, DISPATCH, now)
         self._submit(ei, Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now), now)
@@ -394,8 +439,15 @@ class Simulator:
                 self._complete(s, ei, now)
         self._kick(ei, now)
 
+    def _on_first(self, s: Seq) -> None:
+        live = self._live.get(s.rid)
+        if live is not None and live.ticket is not None and self.load is not None:
+            self.load.first_byte(live.ticket)
+
     def _complete(self, s: Seq, ei: int, now: float) -> None:
         live = self._live.pop(s.rid)
+        if live.ticket is not None and self.load is not None:
+            self.load.finished(live.ticket)
         self._inflight_n[ei] -= 1
         name = self.engines[ei].name
         r, st = live.req, live.state

@@ -150,6 +150,8 @@ class Engine:
         self.cfg = cfg
         self.bs = cfg.block_size
         self.on_kv_events = on_kv_events
+        self.on_first: Callable[[Seq], None] | None = None
+        """Called when a sequence produces its first token (the gateway's first byte)."""
         self.tiers = tiers
         if tiers is not None:
             tiers.set_block_size(cfg.block_size)
@@ -562,6 +564,8 @@ class Engine:
                 s.out_done += 1
                 if s.t_first < 0:
                     s.t_first = now
+                    if self.on_first is not None:
+                        self.on_first(s)
                 s.t_last = now
         keep = []
         for s in self.running:

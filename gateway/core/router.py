@@ -8,9 +8,8 @@ Profiles:
   parent_prefix, spread, queue, kv_usage, home_load (0 unless configured: the home ledger feeds it),
   interference (0 unless set) -> sticky_bounded. ``pool_role`` is the work-conserving
   ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
-  ``cost_*`` parameters) or the fixed threshold on estimated uncached tokens (``split="wall"``,
-  the default until the service fills the engine views' decode and backlog fields:
-  ``first_turn_threshold_tokens``).
+  ``cost_*`` parameters, the default) or the fixed threshold on estimated uncached tokens
+  (``split="wall"``: ``first_turn_threshold_tokens``).
 - ``precise_prefix`` (llm-d style): healthy, model -> prefix (precise, from KV events) x2,
   queue, kv_usage -> max_score.
 - ``cache_aware`` (SGLang router style): healthy, model -> (approximate text prefix index) ->
@@ -58,11 +57,13 @@ class RoutingParams:
     saturation_max_queue: int = 64
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
-    split: str = "wall"
+    split: str = "cost"
     """``cost``: work-conserving first-turn / warm split (policies/split.py); ``wall``: the
-    fixed ``first_turn_threshold_tokens`` filter. ``cost`` needs engine views that carry
-    ``decoding`` and ``prefill_backlog_tokens`` (the simulator's do); without them every engine
-    looks idle and warm engines take every first turn."""
+    fixed ``first_turn_threshold_tokens`` filter. ``cost`` reads the engine views' ``decoding``
+    and ``prefill_backlog_tokens`` (the gateway's load ledger, gateway/core/load.py, fills them
+    in the service; the simulator from its ledger or its engine model). Default since the
+    simulator's capacity at the SLO on the Weka dev trace, 2 first-turn + 6 warm: 12 lanes with
+    ``cost``, 0 with ``wall`` (docs/benchmarks_sim.md)."""
     cost_prefill_ms: tuple[float, float, float] = EngineCost().prefill_ms
     cost_chunk_tokens: int = EngineCost().chunk_tokens
     cost_decode_ms: tuple[float, float, float] = EngineCost().decode_ms

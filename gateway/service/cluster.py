@@ -12,7 +12,10 @@ engines are merely slow to answer probes under load keeps serving instead of ans
 Engines that refused a connection (nothing listens) stay out. Every ejection calls the
 ``on_eject`` callbacks with the engine's name (the re-homer moves its sessions). Load:
 ``/metrics`` is scraped every ``metrics_interval_s`` for ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
-``vllm:kv_cache_usage_perc``; the gateway's own in-flight count is kept exactly.
+``vllm:kv_cache_usage_perc``; the gateway's own in-flight count is kept exactly, and by phase
+(:class:`gateway.core.load.InflightLoad`: sent and not yet answered, with their uncached prompt
+tokens, vs past their first byte), which fills the views' ``prefill_backlog_tokens`` and
+``decoding`` for the cost split and the role controller. ``set_role`` applies a role change.
 
 Device soft pins: for engines with a ``control_url`` (engine_ext), the control server's
 ``GET /metrics`` (bearer ``migration.control_token``) is scraped on the same period for
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.config import EngineConfig, GatewayConfig
+from gateway.core.load import InflightLoad, Ticket, merge
 from gateway.core.types import EngineView, PoolRole
 
 log = logging.getLogger("agentgw.cluster")
@@ -135,6 +139,7 @@ class Cluster:
         self.pools: dict[str, list[str]] = {p.name: [e.name for e in p.engines] for p in config.pools}
         self._tasks: list[asyncio.Task[None]] = []
         self._views: tuple[EngineView, ...] | None = None
+        self.load = InflightLoad(self.engines)
         self.on_eject: list[Callable[[str], None]] = []
 
     # -- reading -------------------------------------------------------------------------------
@@ -142,7 +147,9 @@ class Cluster:
         """The routing snapshot's engine list; rebuilt only after something changed."""
         if self._views is None:
             panic = self.panicking()
-            self._views = tuple(s.view(panic[s.pool]) for s in self.engines.values())
+            self._views = tuple(
+                merge(s.view(panic[s.pool]), self.load.of(s.name)) for s in self.engines.values()
+            )
         return self._views
 
     def panicking(self) -> dict[str, bool]:
@@ -177,6 +184,25 @@ class Cluster:
 
     def end(self, name: str) -> None:
         self.engines[name].inflight -= 1
+        self._changed()
+
+    def sent(self, name: str, uncached_tokens: int) -> Ticket:
+        """A request went to ``name``; it prefills ``uncached_tokens`` until its first byte."""
+        t = self.load.sent(name, uncached_tokens)
+        self._changed()
+        return t
+
+    def first_byte(self, t: Ticket, decoding: bool = True) -> None:
+        if self.load.first_byte(t, decoding):
+            self._changed()
+
+    def finished(self, t: Ticket) -> None:
+        if self.load.finished(t):
+            self._changed()
+
+    def set_role(self, name: str, role: PoolRole) -> None:
+        """The role controller moved ``name`` to ``role`` (its pool name stays)."""
+        self.engines[name].role = role
         self._changed()
 
     def record_probe(self, name: str, ok: bool, refused: bool = False) -> None:

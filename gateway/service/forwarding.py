@@ -2,7 +2,9 @@
 out; engine_ext's pin request and the hinted priority in), filters the headers, and opens the
 upstream response with one retry on another engine of the pool when the first cannot be reached
 before any byte. What comes back is a :class:`Relay`: the engine's status, headers and an async
-iterator of body chunks, independent of any wire API; the edge relays it in its own shape.
+iterator of body chunks, independent of any wire API; the edge relays it in its own shape. The
+relay reports its request's phases to the cluster's load ledger: prefilling (with the decision's
+uncached tokens) from the send, decoding from the first body chunk, over when the turn finishes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
+from gateway.core.load import Ticket
 from gateway.core.types import Decision
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
@@ -41,6 +44,9 @@ class Relay:
     pool: str
     response: aiohttp.ClientResponse
     retried: bool
+    cluster: Cluster | None = None
+    ticket: Ticket | None = None
+    """The request's place in the cluster's load ledger (prefilling until the first chunk)."""
 
     @property
     def status(self) -> int:
@@ -51,7 +57,28 @@ class Relay:
         return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        return self.response.content.iter_any()
+        it = self.response.content.iter_any()
+        if self.ticket is None or self.cluster is None:
+            return it
+        return self._first_then(it)
+
+    async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in it:
+            self.prefilled()
+            yield chunk
+            break
+        async for chunk in it:
+            yield chunk
+
+    def prefilled(self) -> None:
+        """The first body byte arrived: the request decodes from now on."""
+        if self.ticket is not None and self.cluster is not None:
+            self.cluster.first_byte(self.ticket)
+
+    def finished(self) -> None:
+        """The request is over: out of the load ledger (idempotent)."""
+        if self.ticket is not None and self.cluster is not None:
+            self.cluster.finished(self.ticket)
 
     async def read(self) -> bytes:
         return await self.response.read()
@@ -147,12 +174,16 @@ class Forwarder:
             if i > 0 and not self.cluster.routable(name):
                 continue
             self.cluster.begin(name)
+            # a fallback engine's prefix match is not known: its whole prompt counts
+            uncached = decision.uncached_tokens + (decision.cached_tokens if i > 0 else 0)
+            ticket = self.cluster.sent(name, uncached)
             try:
                 async with asyncio.timeout(t.first_byte_s):
                     response = await self.upstream.session.post(
                         state.config.url + path, data=body, headers=hdrs, timeout=timeout
                     )
             except CONNECT_ERRORS as exc:
+                self.cluster.finished(ticket)
                 self.cluster.end(name)
                 self.cluster.record_connect_failure(name)
                 self.metrics.upstream_errors.labels(name, "connect").inc()
@@ -160,13 +191,15 @@ class Forwarder:
                 last = exc
                 continue
             except aiohttp.ClientError as exc:
+                self.cluster.finished(ticket)
                 self.cluster.end(name)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
                 raise UpstreamFailed(f"engine '{name}' failed before responding: {exc!r}", False) from None
             except BaseException:
+                self.cluster.finished(ticket)
                 self.cluster.end(name)  # cancelled (the client left) while connecting
                 raise
-            return Relay(name, state.pool, response, retried=i > 0)
+            return Relay(name, state.pool, response, retried=i > 0, cluster=self.cluster, ticket=ticket)
         raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)
 
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:

@@ -37,6 +37,7 @@ from gateway.service.placement import Analysis, Placement
 from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
 from gateway.service.rehome import Rehomer
+from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
 
@@ -110,6 +111,9 @@ class GatewayService:
         self.admission = Admission(config.admission, metrics=metrics)
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
+        self.roles = (
+            RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
+        )
 
     @property
     def index(self) -> Any:
@@ -119,6 +123,8 @@ class GatewayService:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self.cluster.on_eject.append(self.rehomer.engine_ejected)
+        if self.roles is not None:
+            self.roles.start()
         self._zmq = zmq.asyncio.Context()
         for s in self.cluster.engines.values():
             if s.config.kv_events:
@@ -127,6 +133,8 @@ class GatewayService:
                 self.subscribers.append(sub)
 
     async def stop(self) -> None:
+        if self.roles is not None:
+            await self.roles.stop()
         if self.rehomer.engine_ejected in self.cluster.on_eject:
             self.cluster.on_eject.remove(self.rehomer.engine_ejected)
         await self.rehomer.stop()
@@ -203,6 +211,7 @@ class GatewayService:
         await self.placement.settle(plan.analysis, plan.decision, None, ok=False)
 
     async def finish(self, plan: Plan, up: Relay, status: str) -> None:
+        up.finished()
         self.cluster.end(up.engine)
         await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
 

@@ -187,7 +187,7 @@ def _planner_sim(plays, planner, **kw):
         hints=True,
         first_turn_workers=1,
         tiers=TiersConfig(host_blocks=4096, **kw),
-        routing=RoutingParams(profile="agentic", first_turn_threshold_tokens=1024),
+        routing=RoutingParams(profile="agentic", split="wall", first_turn_threshold_tokens=1024),
     )
     return simulate(plays, cfg, planner)
 

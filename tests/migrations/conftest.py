@@ -61,7 +61,7 @@ def kv_gateway_config(kv_cluster: dict[str, tuple[LocalEngine, str]], tiny_llama
             {"name": "warm", "role": "warm", "engines": [eng("warm0"), eng("warm1")]},
         ],
         "models": [{"name": MODEL, "tokenizer": str(tiny_llama), "block_size": 128, "hash_seed": HASH_SEED}],
-        "routing": {"first_turn_threshold_tokens": 512},
+        "routing": {"split": "wall", "first_turn_threshold_tokens": 512},
         "migration": {"control_token": CONTROL_TOKEN, "default_gap_s": 5},
         "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5, "health_timeout_s": 1},
     }

@@ -1,0 +1,177 @@
+"""Real engines: the first-turn / warm split as first built (``wall``) vs work-conserving
+(``cost``, with the role controller or not) vs one pool, on one scaled trace, in one run.
+
+    flock /tmp/agentgw-engines.lock python -m benchmarks.split_live          # 3 engines, ~10 min
+
+Starts ``--workers`` (3) local vLLM CPU engines on the tiny model once (prefix caching, KV events,
+``--num-gpu-blocks-override`` so that evictions happen), fits the cost model's prefill and decode
+times on one of them (``benchmarks.fidelity.calibrate``), then for each layout serves a gateway
+over the same engines (``agentgw serve --config``: the tokenizer, exact hashes, ``agentic``
+profile, hints on) and replays the same scaled Weka plays through it
+(``benchmarks.live_replay``), each layout with a fresh prompt salt so that no run hits another's
+cache. Layouts: ``wall`` and ``cost`` and ``cost+ctl`` with 1 first-turn + 2 warm engines (what
+``agentgw serve`` lays out), ``one pool`` (role ``any``). Prints live_replay's table (hit rate
+from usage and from the engines' counters, TTFT, P90 interactivity, recomputed tokens) and writes
+a JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.fidelity import DEFAULT_PLAYS, PORTS, cache_config_info, calibrate, start_gateway
+from benchmarks.live_replay import LiveConfig, default_trace, format_table, load_trace, run_live
+from benchmarks.sim.traces import trace_stats
+
+LAYOUTS = ("wall", "cost", "cost+ctl", "one pool")
+
+
+def gateway_config(
+    layout: str, specs: list[Any], model_dir: Path, block_size: int, cost: dict[str, Any]
+) -> dict[str, Any]:
+    from gateway.local.engines import HASH_SEED
+
+    def entry(s: Any) -> dict[str, Any]:
+        return {"name": s.name, "url": s.url, "model": "tiny-llama", "kv_events": s.kv_events_endpoint}
+
+    routing: dict[str, Any] = {"profile": "agentic"}
+    if layout == "one pool":
+        pools = [{"name": "default", "role": "any", "engines": [entry(s) for s in specs]}]
+    else:
+        pools = [
+            {"name": "first_turn", "role": "first_turn", "engines": [entry(specs[0])]},
+            {"name": "warm", "role": "warm", "engines": [entry(s) for s in specs[1:]]},
+        ]
+        routing["split"] = "wall" if layout == "wall" else "cost"
+        if layout != "wall":
+            routing |= cost
+        if layout == "cost+ctl":
+            routing |= {
+                "role_controller": True,
+                "role_min_dwell_s": 5.0,
+                "role_backlog_tokens_per_engine": 4096,
+            }
+    return {
+        "pools": pools,
+        "models": [
+            {
+                "name": "tiny-llama",
+                "tokenizer": str(model_dir),
+                "block_size": block_size,
+                "hash_seed": HASH_SEED,
+            }
+        ],
+        "routing": routing,
+        "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.split_live", description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--plays", default=DEFAULT_PLAYS)
+    ap.add_argument("--max-requests", type=int, default=30)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--max-output", type=int, default=48)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--num-gpu-blocks", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--lanes", type=int, default=4)
+    ap.add_argument("--speedup", type=float, default=10.0)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--out", default="benchmarks/out/split_live.json")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    from gateway.local.embedded import DEFAULT_HOME
+    from gateway.local.engines import EngineSpec, free_ports, start_engines
+    from gateway.local.tiny_model import build_tiny_model
+
+    plays = load_trace(
+        args.trace or default_trace(),
+        args.plays,
+        args.max_requests,
+        scale=True,
+        max_context=args.max_context,
+        block_size=128,
+        max_output=args.max_output,
+    )
+    st = trace_stats(plays)
+    print(
+        f"trace: {st['plays']} plays, {st['requests']} requests ({st['subagent_requests']} subagent), "
+        f"ideal reuse {st['ideal_hit_rate']:.1%}",
+        flush=True,
+    )
+    model_dir = build_tiny_model(DEFAULT_HOME / "models" / "tiny-llama", "llama")
+    work = Path(tempfile.mkdtemp(prefix="agentgw-split-live-"))
+    ports = free_ports(2 * args.workers + 1, PORTS)
+    specs = [
+        EngineSpec(
+            name=f"e{i}",
+            model_dir=model_dir,
+            served_model_name="tiny-llama",
+            port=ports[2 * i],
+            kv_events_port=ports[2 * i + 1],
+            log_path=work / f"e{i}.log",
+            max_model_len=args.max_context,
+            num_gpu_blocks_override=args.num_gpu_blocks,
+            extra_args=("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
+        )
+        for i in range(args.workers)
+    ]
+    t = time.perf_counter()
+    engines = start_engines(specs, timeout_s=400)
+    report: dict[str, Any] = {"trace": st, "args": vars(args), "runs": {}}
+    rows = []
+    try:
+        print(f"{args.workers} engines ready in {time.perf_counter() - t:.0f} s", flush=True)
+        block_size = int(cache_config_info(specs[0].url).get("block_size") or 128)
+        cal = calibrate(specs[0].url, "tiny-llama", [128, 512, 1024, 2048, 3584])
+        perf = cal["perf"]
+        cost = {
+            "cost_prefill_ms": [perf.p0, perf.p1, perf.p2],
+            "cost_decode_ms": [perf.d0, 0.0, 0.0],
+            "cost_chunk_tokens": args.max_num_batched_tokens,
+        }
+        print(f"calibration: TTFT(ms) {cal['points_ms']}, ITL {cal['itl_ms']} ms", flush=True)
+        report["cost"] = cost
+        salt = random.randrange(1 << 30)
+        for i, layout in enumerate(x for x in args.layouts.split(",") if x):
+            cfg = gateway_config(layout, specs, model_dir, block_size, cost)
+            gw = start_gateway(cfg, work, ports[-1])
+            try:
+                live = LiveConfig(
+                    url=f"http://127.0.0.1:{ports[-1]}",
+                    speedup=args.speedup,
+                    lanes=args.lanes,
+                    salt=salt + i,
+                    progress=not args.no_progress,
+                )
+                m, _ = run_live(plays, live, [s.url for s in specs], label=layout)
+            finally:
+                gw.terminate()
+                gw.wait(30)
+            rows.append(m)
+            report["runs"][layout] = m.as_dict()
+            print(format_table([m]), flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    print()
+    print(format_table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
