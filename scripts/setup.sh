@@ -13,6 +13,11 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
 # headless browser for the dashboard test (tests/gateway/test_dashboard_browser.py)
 command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium chromium-driver)
+# scripts/compose-check.sh: a Docker engine (a docker client alone is not enough), Debian's
+# docker-compose (1.29: profiles need >= 1.28) and debootstrap for the registry-less base image
+command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
+command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
+command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} (apt)"
   $SUDO apt-get update -qq

