@@ -682,8 +682,11 @@ def target_setup(name: str, args: argparse.Namespace) -> str:
         return "engine 0 itself (benchmarks.fake_engine), no router"
     if name == "gateway":
         return (
-            f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode}, "
-            "exact vLLM block hashes, block 128), hints ON for agentic bodies "
+            f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode} "
+            "with the default thresholds: under 2,048 chars on the loop (the small body), under "
+            "16,384 in a thread, else a worker process gets the raw body and answers with counts "
+            "and block hashes (no token ids: no engine has a control_url); exact vLLM block "
+            "hashes, block 128), hints ON for agentic bodies "
             "(x-agent-session-id; small/large send none), KV events OFF: the prefix index is "
             "updated from routing decisions (as vllm-router cache_aware)"
         )
