@@ -91,6 +91,7 @@ ENGINE_OFFSETS = (1, 2)
 TARGET_OFFSETS = {
     "gateway": 100,
     "gateway-notok": 101,
+    "gateway-base": 102,
     "vllm-router-rr": 110,
     "vllm-router-ca": 111,
     "naive": 120,
@@ -467,6 +468,7 @@ class Bench:
         starters: dict[str, Callable[[], tuple[list[str], int, str] | str]] = {
             "gateway": lambda: self._gateway_argv("gateway", tokenizer=True),
             "gateway-notok": lambda: self._gateway_argv("gateway-notok", tokenizer=False),
+            "gateway-base": lambda: self._gateway_argv("gateway-base", tokenizer=True),
             "naive": self._naive_argv,
             "vllm-router-rr": lambda: self._vllm_router_argv("vllm-router-rr", "round_robin"),
             "vllm-router-ca": lambda: self._vllm_router_argv("vllm-router-ca", "cache_aware"),
@@ -514,6 +516,12 @@ class Bench:
             "    engines:\n"
             f"{engines}\n" + models
         )
+        if name == "gateway-base":
+            src = self.args.base_src
+            if not src or not (Path(src) / "gateway" / "__main__.py").exists():
+                return "gateway-base needs --base-src DIR (a checkout of the baseline commit)"
+            argv = [sys.executable, "-m", "gateway", "serve", "--config", str(config)]
+            return ["env", f"PYTHONPATH={Path(src).resolve()}", *argv], port, "/ready"
         if self.args.gateway_cmd:
             fmt = {"config": str(config), "port": str(port), "python": sys.executable}
             return [tok.format(**fmt) for tok in shlex.split(self.args.gateway_cmd)], port, "/ready"
@@ -674,10 +682,18 @@ def target_setup(name: str, args: argparse.Namespace) -> str:
         return "engine 0 itself (benchmarks.fake_engine), no router"
     if name == "gateway":
         return (
-            f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode}, "
-            "exact vLLM block hashes, block 128), hints ON for agentic bodies "
+            f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode} "
+            "with the default thresholds: under 2,048 chars on the loop (the small body), under "
+            "16,384 in a thread, else a worker process gets the raw body and answers with counts "
+            "and block hashes (no token ids: no engine has a control_url); exact vLLM block "
+            "hashes, block 128), hints ON for agentic bodies "
             "(x-agent-session-id; small/large send none), KV events OFF: the prefix index is "
             "updated from routing decisions (as vllm-router cache_aware)"
+        )
+    if name == "gateway-base":
+        return (
+            f"the gateway row's configuration run from --base-src {args.base_src} "
+            "(the baseline commit, for a same-run before/after)"
         )
     if name == "gateway-notok":
         return (
@@ -700,8 +716,10 @@ def render_ratios(rows: list[dict]) -> str:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     head = "| case | ours | vs | req/s ratio | p50 ratio | p99 ratio | TTFT p50 ratio |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for ours in ("gateway", "gateway-notok"):
-        for peer in ("vllm-router-ca", "naive"):
+    for ours in ("gateway", "gateway-base", "gateway-notok"):
+        for peer in ("vllm-router-ca", "naive", "gateway-base"):
+            if peer == ours or (peer == "gateway-base" and ours != "gateway"):
+                continue
             for case in cases:
                 a, b = by.get((ours, case)), by.get((peer, case))
                 if a is None or b is None:
@@ -798,6 +816,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--targets", default="direct,gateway", help="direct, gateway, naive, vllm-router-rr/-ca")
     ap.add_argument("--peers", default="", help="add peers: naive, vllm-router (both policies)")
     ap.add_argument("--gateway-cmd", default="", help="override; {config}, {port}, {python} are filled in")
+    ap.add_argument(
+        "--base-src",
+        default="",
+        help="target gateway-base: the gateway row's config run from this checkout (e.g. git worktree of main)",
+    )
     ap.add_argument("--vllm-router-bin", default=_default_vllm_router_bin())
     ap.add_argument(
         "--port-base", type=int, default=24000, help="engines at +1, +2; routers at +100..+120 (+610, +611)"

@@ -107,6 +107,9 @@ class AnalysisConfig(_Strict):
     """Workers of the small-prompt lane."""
     inline_chars: int = Field(2048, ge=0)
     """Prompts with fewer characters of text are analysed on the event loop (< 1 ms of work)."""
+    thread_chars: int = Field(16_384, ge=0)
+    """Mode process: prompts with fewer characters (and at least ``inline_chars``) are analysed
+    in a thread of the gateway process instead of a worker process (no pickling round trip)."""
     small_chars: int = Field(32_768, ge=0)
     """Prompts with fewer characters of text go to the small lane."""
     large_nice: int = Field(10, ge=0, le=19)

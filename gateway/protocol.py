@@ -29,6 +29,8 @@ class ParsedRequest:
     """Responses: the stored response this request continues (only its engine has it)."""
     store: bool = False
     """Responses: the engine is asked to keep the answer (the gateway records where)."""
+    raw: bytes | None = None
+    """The JSON bytes ``body`` was parsed from (what an analysis worker process is sent)."""
 
 
 def _content_len(content: Any, i: int) -> int:
@@ -97,7 +99,7 @@ def parse_body(kind: str, raw: bytes) -> ParsedRequest:
                 raise ApiError(400, f"'{key}' must be {what}", key, "invalid_type")
     else:
         chars = _parse_prompt(body)
-    return ParsedRequest(kind, body, model, stream, chars)
+    return ParsedRequest(kind, body, model, stream, chars, raw=raw)
 
 
 def _parse_messages(body: dict[str, Any]) -> int:

@@ -21,6 +21,7 @@ anything else to the approximate index fed by the routing decisions themselves.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,17 +63,33 @@ def index_for(exact: bool, kv_events: bool) -> IndexKind:
 
 def approx_hashes(text: str, chunk_chars: int) -> list[int]:
     """A hash chain over fixed-size chunks of the prompt text (a partial last chunk is not
-    hashed). Stable across processes and replicas (BLAKE2b, not Python's per-process ``hash``),
-    so records shared through Redis mean the same thing on every replica."""
-    out: list[int] = []
+    hashed): ``d_i = BLAKE2b-64(d_{i-1} + utf8(chunk_i))``, ``d_{-1} = b""``, each hash
+    ``d_i`` read big-endian. Stable across processes and replicas (not Python's per-process
+    ``hash``), so records shared through Redis mean the same thing on every replica.
+
+    One pass: an ASCII text (characters = bytes) is encoded once and hashed through memoryview
+    slices; the digests are read as integers in one ``struct`` call at the end."""
+    n = (len(text) // chunk_chars) * chunk_chars  # chunks by characters, as the token estimate
+    if n == 0:
+        return []
+    b2 = hashlib.blake2b
+    digests: list[bytes] = []
+    push = digests.append
     prev = b""
-    # chunks by characters, as the token estimate is by characters
-    for i in range(0, len(text) - chunk_chars + 1, chunk_chars):
-        piece = text[i : i + chunk_chars].encode("utf-8", "surrogatepass")
-        digest = hashlib.blake2b(prev + piece, digest_size=8).digest()
-        out.append(int.from_bytes(digest, "big"))
-        prev = digest
-    return out
+    if text.isascii():
+        data = memoryview(text.encode("ascii"))
+        for i in range(0, n, chunk_chars):
+            h = b2(prev, digest_size=8)
+            h.update(data[i : i + chunk_chars])
+            prev = h.digest()
+            push(prev)
+    else:
+        for i in range(0, n, chunk_chars):
+            prev = b2(
+                prev + text[i : i + chunk_chars].encode("utf-8", "surrogatepass"), digest_size=8
+            ).digest()
+            push(prev)
+    return list(struct.unpack(f">{len(digests)}Q", b"".join(digests)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,10 @@
 """Prompt analysis (chat-template render, tokenization, block hashing) off the event loop.
 
 One :class:`PromptAnalyzer` per app. Prompts under ``analysis.inline_chars`` characters (a few
-hundred tokens: well under a millisecond of work) are analysed on the loop, where a round trip to a
-worker would cost more than the work. Larger ones go to one of two lanes by the size of their
+hundred tokens) are analysed on the loop, where a round trip to a worker would cost more than the
+work. In mode ``process``, prompts under ``analysis.thread_chars`` characters go to one thread of
+the gateway process (the in-process tokenizer and its cache: no pickling, no pipe; the tokenizer's
+``encode_batch`` releases the GIL), larger ones to one of two process lanes by the size of their
 prompt text: ``small`` (under ``analysis.small_chars`` characters) and ``large``, so that a small
 request never waits behind a 200K-token first turn. Each lane runs on its own workers:
 
@@ -12,8 +14,10 @@ request never waits behind a 200K-token first turn. Each lane runs on its own wo
   goes to the worker picked by the content key of its first message
   (:func:`~gateway.service.tokenize.affinity_key`), so the content-keyed cache of that worker
   holds the conversation's earlier turns and every session sharing its system prompt; when that
-  worker's backlog is full, the least-loaded one. The body is pickled by the pool's feeder
-  thread, not on the loop.
+  worker's backlog is full, the least-loaded one. The worker gets the request's raw JSON bytes
+  (parsed there, ``cache_salt`` set from the gateway's copy of the body: a tenant's salt replaces
+  the client's) and answers with counts and block hashes, plus the token ids only when the caller
+  keeps them (a session's, for KV prefetch): a 168K-token prompt's ids are 673 KB.
 - ``thread``: thread pools sharing one tokenizer (and cache) per model. Tokenizers' ``encode_batch``
   releases the GIL, but templating, hashing and pickling do not.
 - ``inline``: on the event loop, as before this module existed (for comparisons only).
@@ -40,6 +44,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.errors import ApiError
@@ -94,9 +100,11 @@ def _init_worker(specs: Sequence[_Spec], cache_bytes: int, nice: int) -> None:
         _worker_tokenizers[name] = ChatTokenizer(path, block_size, seed, cache_bytes)
 
 
-def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
-    """A picklable outcome, its last item the seconds it took: ("ok", n, hashes, encoded, token
-    bytes, s), ("api", ..., s) or ("unsupported", reason, s). (ApiError does not pickle.)"""
+def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any], keep: bool) -> tuple[Any, ...]:
+    """A picklable outcome, its last item the seconds it took: ("ok", n, hashes as ``array("Q")``
+    bytes, encoded, token bytes or None, s), ("api", ..., s) or ("unsupported", reason, s).
+    Token ids travel back only when ``keep`` (a session keeps them): for a 168K-token prompt they
+    are 673 KB, the largest part of a worker's answer. (ApiError does not pickle.)"""
     start = time.perf_counter()
     try:
         info = tok.prompt_info(kind, body)
@@ -104,13 +112,43 @@ def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]
         return ("api", exc.status, exc.message, exc.param, exc.code, time.perf_counter() - start)
     except Unsupported as exc:
         return ("unsupported", exc.reason, time.perf_counter() - start)
-    tokens = info.tokens
-    data = tokens.tobytes() if isinstance(tokens, array) else array("i", tokens).tobytes()
-    return ("ok", info.num_tokens, info.hashes, info.encoded_tokens, data, time.perf_counter() - start)
+    data = None
+    if keep:
+        tokens = info.tokens
+        data = tokens.tobytes() if isinstance(tokens, array) else array("i", tokens).tobytes()
+    hashes = array("Q", info.hashes).tobytes()
+    return ("ok", info.num_tokens, hashes, info.encoded_tokens, data, time.perf_counter() - start)
 
 
-def _work(model: str, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
-    return _run(_worker_tokenizers[model], kind, body)
+def _run_local(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
+    """In this process (a thread): the :class:`PromptInfo` itself, nothing copied."""
+    start = time.perf_counter()
+    try:
+        info = tok.prompt_info(kind, body)
+    except ApiError as exc:
+        return ("api", exc.status, exc.message, exc.param, exc.code, time.perf_counter() - start)
+    except Unsupported as exc:
+        return ("unsupported", exc.reason, time.perf_counter() - start)
+    return ("info", info, time.perf_counter() - start)
+
+
+_NO_SALT = ("absent",)
+
+
+def _work(
+    model: str, kind: str, body: bytes | dict[str, Any], salt: tuple[Any, ...], keep: bool
+) -> tuple[Any, ...]:
+    """``body``: the request's raw JSON bytes (parsed here, not pickled on the loop's side) or,
+    for a prompt converted from another API, the chat body itself. ``salt``: the ``cache_salt``
+    the gateway's copy of the body has (the tenant's replaces the client's), ``("absent",)`` or
+    ``("set", value)``."""
+    if isinstance(body, bytes):
+        body = orjson.loads(body)
+        if salt[0] == "set":
+            body["cache_salt"] = salt[1]
+        else:
+            body.pop("cache_salt", None)
+    return _run(_worker_tokenizers[model], kind, body, keep)  # type: ignore[arg-type]
 
 
 def _ready() -> int:
@@ -118,13 +156,21 @@ def _ready() -> int:
 
 
 def _outcome(out: tuple[Any, ...]) -> PromptInfo:
+    if out[0] == "info":
+        info: PromptInfo = out[1]
+        return info
     if out[0] == "api":
         raise ApiError(out[1], out[2], out[3], out[4])
     if out[0] == "unsupported":
         raise AnalysisSkipped(f"unsupported: {out[1]}")
-    tokens = array("i")
-    tokens.frombytes(out[4])
-    return PromptInfo(out[1], out[2], out[3], tokens)
+    hashes = array("Q")
+    hashes.frombytes(out[2])
+    tokens: Sequence[int] = ()
+    if out[4] is not None:
+        arr = array("i")
+        arr.frombytes(out[4])
+        tokens = arr
+    return PromptInfo(out[1], hashes.tolist(), out[3], tokens)
 
 
 # -- the loop side ------------------------------------------------------------------------------
@@ -215,9 +261,14 @@ class PromptAnalyzer:
                 "large": _Lane("large", [pool(config.large_nice) for _ in range(n_large)]),
                 "small": _Lane("small", [pool(0) for _ in range(n_small)]),
             }
+            if config.thread_chars > config.inline_chars:
+                self.lanes["thread"] = _Lane(
+                    "thread", [cf.ThreadPoolExecutor(1, thread_name_prefix="analysis-t")]
+                )
             for lane in self.lanes.values():
                 for p in lane.pools:
-                    p.submit(_ready)  # start the worker and load its tokenizers now
+                    if isinstance(p, cf.ProcessPoolExecutor):
+                        p.submit(_ready)  # start the worker and load its tokenizers now
 
     async def wait_ready(self) -> None:
         """Wait until every worker process has started and loaded its tokenizers."""
@@ -238,38 +289,57 @@ class PromptAnalyzer:
         return AnalysisSkipped(reason)
 
     async def analyze(
-        self, model: str, kind: str, body: dict[str, Any], session_id: str | None = None
+        self,
+        model: str,
+        kind: str,
+        body: dict[str, Any],
+        session_id: str | None = None,
+        *,
+        raw: bytes | None = None,
+        tokens: bool = True,
     ) -> PromptInfo | None:
         """Exact tokens and block hashes of a request; None when the model has no tokenizer.
-        Raises :class:`AnalysisSkipped` (route approximately) or :class:`ApiError` (a 400)."""
+        Raises :class:`AnalysisSkipped` (route approximately) or :class:`ApiError` (a 400).
+
+        ``raw``: the request's JSON bytes, of which ``body`` is the parse (``cache_salt`` aside:
+        the body's wins); a worker process gets these instead of a pickled ``body``.
+        ``tokens``: whether the answer needs the token ids (else a worker process sends back only
+        the counts and block hashes, and :attr:`PromptInfo.tokens` may be empty); a
+        ``session_id``'s token ids are kept (:meth:`session_tokens`) when they come back."""
         if model not in self.models:
             return None
         cfg = self.config
-        if cfg.mode == "inline" or prompt_chars(kind, body) < cfg.inline_chars:
+        chars = prompt_chars(kind, body)
+        if cfg.mode == "inline" or chars < cfg.inline_chars:
             try:
                 info = self.tokenizers[model].prompt_info(kind, body)
             except Unsupported as exc:
                 raise self._skip(f"unsupported: {exc.reason}") from None
         else:
-            info = await self._offload(model, kind, body)
+            info = await self._offload(model, kind, body, chars, raw, tokens or session_id is not None)
         if session_id is not None:
             self._remember(session_id, info.tokens)
         return info
 
-    async def _offload(self, model: str, kind: str, body: dict[str, Any]) -> PromptInfo:
+    async def _offload(
+        self, model: str, kind: str, body: dict[str, Any], chars: int, raw: bytes | None, keep: bool
+    ) -> PromptInfo:
         cfg = self.config
         start = time.monotonic()
-        chars = prompt_chars(kind, body)
-        lane = self.lanes["small" if chars < cfg.small_chars else "large"]
+        if chars < cfg.thread_chars and "thread" in self.lanes:
+            lane = self.lanes["thread"]
+        else:
+            lane = self.lanes["small" if chars < cfg.small_chars else "large"]
         key = affinity_key(kind, body) if len(lane.pools) > 1 else b"\0"
         i = lane.pick(key, chars, cfg.budget_ms / 1000, cfg.max_backlog)
         if i is None:
             raise self._skip(f"backlog: {lane.name} lane full")
         pool = lane.pools[i]
         if isinstance(pool, cf.ProcessPoolExecutor):
-            cfut = pool.submit(_work, model, kind, body)
+            salt = ("set", body["cache_salt"]) if "cache_salt" in body else _NO_SALT
+            cfut = pool.submit(_work, model, kind, raw if raw is not None else body, salt, keep)
         else:
-            cfut = pool.submit(_run, self.tokenizers[model], kind, body)
+            cfut = pool.submit(_run_local, self.tokenizers[model], kind, body)
         lane.backlog[i] += 1
         lane.queued_chars[i] += chars
         loop = asyncio.get_running_loop()

@@ -60,6 +60,11 @@ class Prompts:
         self.analyzer = PromptAnalyzer(config.models, config.analysis, metrics)
         """Exact tokens and hashes, off the event loop."""
         self.block_sizes = {m.name: m.block_size for m in config.models}
+        self.keeps_tokens = config.migration.enabled and any(
+            e.control_url for p in config.pools for e in p.engines
+        )
+        """Whether a session's token ids are ever read (KV prefetch to an engine_ext engine):
+        when not, analysis workers send back only counts and block hashes."""
         self._seq = 0
 
     def hints(
@@ -111,10 +116,12 @@ class Prompts:
             if self.exact_for(parsed.model):
                 self.metrics.count_analysis_skipped("engine_state")
         else:
-            body = parsed.prompt if parsed.prompt is not None else parsed.body
-            sid = None if dry_run else hints.session_id
+            body, raw = (parsed.body, parsed.raw) if parsed.prompt is None else (parsed.prompt, None)
+            sid = None if dry_run or not self.keeps_tokens else hints.session_id
             try:
-                info = await self.analyzer.analyze(parsed.model, parsed.kind, body, sid)
+                info = await self.analyzer.analyze(
+                    parsed.model, parsed.kind, body, sid, raw=raw, tokens=sid is not None
+                )
             except AnalysisSkipped:
                 info = None  # counted by the analyzer
         if info is not None:

@@ -85,7 +85,10 @@ class _Entry:
 
 
 def _h(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+    """A content key (in this process's cache only, never shared or stored): SHA-256 cut to 16
+    bytes, which runs on the CPU's SHA extensions where BLAKE2b does not (647 KB: ~0.85 ms
+    against ~1.7 ms on the dev machine)."""
+    return hashlib.sha256(data).digest()[:16]
 
 
 def _dumps(obj: Any, param: str) -> bytes:

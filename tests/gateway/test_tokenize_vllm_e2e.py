@@ -131,7 +131,9 @@ async def test_analyzer_workers_and_kv_event_hashes_equal_vllms(
     engine: LocalEngine, tiny_llama: Path
 ) -> None:
     model = ModelConfig(name=MODEL, tokenizer=str(tiny_llama), block_size=128, hash_seed=HASH_SEED)
-    an = PromptAnalyzer([model], AnalysisConfig(mode="process", inline_chars=0, small_chars=2000))
+    an = PromptAnalyzer(
+        [model], AnalysisConfig(mode="process", inline_chars=0, thread_chars=0, small_chars=2000)
+    )
     try:
         await an.wait_ready()
         for body in bodies()[:4]:

@@ -1,6 +1,7 @@
 """PromptAnalyzer: the same tokens and hashes as the tokenizer in every mode, 400s carried back from
-worker processes, a full backlog or a spent budget skips to the approximate index (counted), and
-session tokens bounded by bytes."""
+worker processes, a full backlog or a spent budget skips to the approximate index (counted),
+session tokens bounded by bytes, workers fed raw JSON bytes (the gateway's cache_salt wins) and
+answering without token ids unless asked, mid-sized prompts on the thread lane."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.config import AnalysisConfig, ModelConfig
@@ -30,10 +32,13 @@ def models(tiny_llama: Path) -> list[ModelConfig]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["inline", "thread", "process"])
+@pytest.mark.parametrize("mode", ["inline", "thread", "process", "process+thread"])
 async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: str) -> None:
     metrics = GatewayMetrics()
-    an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode=mode, small_chars=1000), metrics)
+    # "process": every prompt here goes to a worker process; "process+thread": to the thread lane
+    thread_chars = 100_000 if mode == "process+thread" else 0
+    cfg = AnalysisConfig(mode=mode.split("+")[0], small_chars=1000, thread_chars=thread_chars)
+    an = PromptAnalyzer(models(tiny_llama), cfg, metrics)
     try:
         await an.wait_ready()
         ref = ChatTokenizer(tiny_llama, 128, "0")
@@ -62,7 +67,7 @@ async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: st
 
 
 async def test_a_full_backlog_and_a_spent_budget_skip_to_the_approximate_index(tiny_llama: Path) -> None:
-    cfg = AnalysisConfig(mode="process", max_backlog=1, budget_ms=10_000, small_chars=1000)
+    cfg = AnalysisConfig(mode="process", max_backlog=1, budget_ms=10_000, small_chars=1000, thread_chars=0)
     an = PromptAnalyzer(models(tiny_llama), cfg)
     try:
         await an.wait_ready()
@@ -103,3 +108,39 @@ async def test_session_tokens_are_bounded_by_bytes(tiny_llama: Path) -> None:
     assert kept and kept[-1] == 9 and kept[0] > 0
     an.forget("s9")
     assert an.session_tokens("s9") is None
+
+
+async def test_workers_get_raw_bytes_and_send_token_ids_only_when_asked(tiny_llama: Path) -> None:
+    cfg = AnalysisConfig(mode="process", small_chars=1000, thread_chars=0)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    ref = ChatTokenizer(tiny_llama, 128, "0")
+    try:
+        await an.wait_ready()
+        b = body("raw " * 400)
+        raw = orjson.dumps({**b, "cache_salt": "client"})
+        salted = {**b, "cache_salt": "tenant"}  # the gateway's copy: the tenant's salt replaced it
+        info = await an.analyze("m", "chat", salted, raw=raw, tokens=False)
+        want = ref.prompt_info("chat", salted)
+        assert info is not None and info.hashes == want.hashes and info.num_tokens == want.num_tokens
+        assert info.hashes != ref.prompt_info("chat", {**b, "cache_salt": "client"}).hashes
+        assert list(info.tokens) == []  # not asked for: not sent back
+        info = await an.analyze("m", "chat", b, raw=raw, tokens=True)  # the salt removed
+        want = ref.prompt_info("chat", b)
+        assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
+        info = await an.analyze("m", "chat", b, "s", raw=orjson.dumps(b), tokens=False)
+        assert an.session_tokens("s") == list(want.tokens)  # a session keeps them: sent back
+    finally:
+        await an.aclose()
+
+
+async def test_mid_sized_prompts_use_the_thread_lane(tiny_llama: Path) -> None:
+    cfg = AnalysisConfig(mode="process", inline_chars=100, thread_chars=20_000, small_chars=30_000)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    try:
+        await an.wait_ready()
+        assert await an.analyze("m", "chat", body("mid " * 500))  # ~7K chars: thread lane
+        assert an.tokenizers["m"].cached_entries == 1  # the in-process tokenizer did it
+        assert await an.analyze("m", "chat", body("big " * 6000))  # ~29K chars: a worker process
+        assert an.tokenizers["m"].cached_entries == 1
+    finally:
+        await an.aclose()
