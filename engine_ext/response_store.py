@@ -199,7 +199,7 @@ def _collector() -> _Collector:
         from prometheus_client import REGISTRY
 
         c = _Collector()
-        REGISTRY.register(c)  # type: ignore[arg-type]
+        REGISTRY.register(c)
         _COLLECTOR.append(c)
     return _COLLECTOR[0]
 
