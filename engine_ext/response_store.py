@@ -65,11 +65,15 @@ def _plain(o: Any) -> Any:
 
 
 def json_size(value: Any) -> int:
-    """An entry's size in bytes: the length of its JSON form (pydantic models dumped)."""
-    dump_json = getattr(value, "model_dump_json", None)
-    if callable(dump_json):
-        return len(dump_json())
-    return len(json.dumps(value, default=_plain, ensure_ascii=False).encode())
+    """An entry's size in bytes: the length of its JSON form (pydantic models dumped; anything
+    JSON cannot take, by its ``repr``: measuring never fails the request that stores it)."""
+    try:
+        dump_json = getattr(value, "model_dump_json", None)
+        if callable(dump_json):
+            return len(dump_json())
+        return len(json.dumps(value, default=_plain, ensure_ascii=False).encode())
+    except (TypeError, ValueError):
+        return len(repr(value).encode())
 
 
 def _no_size(value: Any) -> int:

@@ -178,7 +178,14 @@ class GenerationEndpoint:
         wire = self.wire
         watch = _Watch(receive)
         try:
-            up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers, parsed.stream)
+            up = await svc.open(
+                plan.decision,
+                wire.upstream_path,
+                plan.body,
+                plan.headers,
+                parsed.stream,
+                continues=parsed.previous_response_id,
+            )
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
