@@ -221,7 +221,7 @@ class GatewayService:
         """A call on a stored response of the tenant's, made on the engine that holds it."""
         owner = await self.placement.owners.owner(tenant.namespace(response_id))
         state = self.cluster.engines.get(owner) if owner is not None else None
-        if state is None or not state.healthy:
+        if owner is None or state is None or not state.healthy:
             why = None if state is None else f"the engine that stored it, '{owner}', is gone"
             raise ResponseNotFound(response_id, "response_id", why)
         try:
