@@ -43,7 +43,15 @@ def reshape_error(status: int, body: bytes) -> bytes:
     return anthropic_error_body(status, str(doc["error"]["message"]))
 
 
-MESSAGES_WIRE = Wire("/v1/messages", "/v1/messages", parse, render_error, stream_error, reshape_error)
+MESSAGES_WIRE = Wire(
+    "/v1/messages",
+    "/v1/messages",
+    parse,
+    render_error,
+    stream_error,
+    reshape_error,
+    stream_end=(b"event: message_stop",),
+)
 
 
 @router.post("/v1/messages/count_tokens", summary="Anthropic token counting (no session turn)")

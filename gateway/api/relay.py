@@ -65,6 +65,10 @@ class Wire:
     """An engine's error body in this API's error shape."""
     stores_responses: bool = False
     """The engine may store the answer (Responses API): the gateway records its id's engine."""
+    stream_end: tuple[bytes, ...] = (b"data: [DONE]",)
+    """What the stream's last event holds (Chat/Completions ``[DONE]``): once one has been relayed
+    whole, the answer is delivered, and a client that leaves before the engine closes the
+    stream (Codex drops the connection at ``response.completed``) is not a 499."""
 
 
 async def read_body(receive: Any, limit: int) -> bytes:
@@ -218,7 +222,14 @@ class GenerationEndpoint:
         wire = self.wire
         watch = _Watch(receive)
         try:
-            up = await svc.open(plan.decision, wire.upstream_path, plan.body, plan.headers, parsed.stream)
+            up = await svc.open(
+                plan.decision,
+                wire.upstream_path,
+                plan.body,
+                plan.headers,
+                parsed.stream,
+                continues=parsed.previous_response_id,
+            )
         except asyncio.CancelledError:
             if not watch.gone:
                 watch.stop()
@@ -288,6 +299,8 @@ class GenerationEndpoint:
         started = False
         first = True
         head = b""
+        delivered = False  # the stream's last event has been relayed whole
+        ends = self.wire.stream_end if stream else ()
         try:
             await send({"type": "http.response.start", "status": up.status, "headers": headers})
             started = True
@@ -305,6 +318,8 @@ class GenerationEndpoint:
                         if rid is not None:
                             await svc.remember_response(rid, up, plan.tenant)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if ends and not delivered and chunk.endswith(b"\n\n") and any(e in chunk for e in ends):
+                    delivered = True
             watch.done = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -321,8 +336,9 @@ class GenerationEndpoint:
                 return
             if not watch.gone:
                 raise
-            status = "499"
-            svc.metrics.client_disconnects.labels(up.engine).inc()
+            if not delivered:
+                status = "499"
+                svc.metrics.client_disconnects.labels(up.engine).inc()
             watch.absorb()
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
@@ -341,8 +357,9 @@ class GenerationEndpoint:
         except OSError:
             # the server's send() raised (ASGI 2.4: the client connection is closed) before the
             # disconnect watcher fired: the same outcome
-            status = "499"
-            svc.metrics.client_disconnects.labels(up.engine).inc()
+            if not delivered:
+                status = "499"
+                svc.metrics.client_disconnects.labels(up.engine).inc()
         finally:
             watch.stop()
             svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)

@@ -48,7 +48,12 @@ def stream_error(message: str) -> bytes:
 
 
 RESPONSES_WIRE = Wire(
-    "/v1/responses", "/v1/responses", parse, stream_error=stream_error, stores_responses=True
+    "/v1/responses",
+    "/v1/responses",
+    parse,
+    stream_error=stream_error,
+    stores_responses=True,
+    stream_end=(b"event: response.completed", b"event: response.incomplete"),
 )
 
 

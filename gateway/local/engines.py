@@ -12,6 +12,10 @@ Tool calling is on (`--enable-auto-tool-choice` with `tool_call_parser`, default
 `tools` and vLLM answers 400 to `tool_choice: "auto"` without it; and the Responses API keeps
 stored responses (`VLLM_ENABLE_RESPONSES_API_STORE=1`), so `previous_response_id` and
 `GET /v1/responses/{id}` work.
+vLLM never evicts that store; engine_ext bounds it (least recently used out, at most
+`RESPONSES_STORE_MAX_ENTRIES` responses and `RESPONSES_STORE_MAX_BYTES` bytes of JSON, see
+`engine_ext/response_store.py`); set `AGENTGW_RESPONSES_STORE_MAX_ENTRIES` /
+`AGENTGW_RESPONSES_STORE_MAX_BYTES` in the environment (or an engine's `extra_env`) to change it.
 
 Each engine is the leader of its own process group (`start_new_session=True`): `stop()` sends
 SIGTERM to the group, then SIGKILL after a grace period, so vLLM's EngineCore and worker
@@ -148,6 +152,12 @@ def _loads_engine_ext(cmd: list[str]) -> bool:
     return isinstance(extra, dict) and str(extra.get("spec_module_path", "")).startswith("engine_ext.")
 
 
+#: The local engines' Responses store bound (engine_ext.response_store): responses kept, and their
+#: JSON bytes (each stored turn holds its chain's whole history).
+RESPONSES_STORE_MAX_ENTRIES = 10_000
+RESPONSES_STORE_MAX_BYTES = 256 * 1024 * 1024
+
+
 def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The engine's environment: `base` (default: this process's) plus the engine settings.
 
@@ -172,6 +182,9 @@ def engine_env(spec: EngineSpec, base: Mapping[str, str] | None = None) -> dict[
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         }
     )
+    # bounded by engine_ext (vLLM's own store never evicts); the caller's environment may set it
+    env.setdefault("AGENTGW_RESPONSES_STORE_MAX_ENTRIES", str(RESPONSES_STORE_MAX_ENTRIES))
+    env.setdefault("AGENTGW_RESPONSES_STORE_MAX_BYTES", str(RESPONSES_STORE_MAX_BYTES))
     env.update(spec.extra_env)
     return env
 

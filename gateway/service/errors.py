@@ -39,7 +39,7 @@ class ResponseNotFound(DomainError):
     """No engine holds the stored response (never stored, forgotten, or its engine is gone);
     ``field`` names where the id came from."""
 
-    def __init__(self, response_id: str, field: str) -> None:
-        super().__init__(f"Response with id '{response_id}' not found.")
+    def __init__(self, response_id: str, field: str, why: str | None = None) -> None:
+        super().__init__(f"Response with id '{response_id}' not found." + (f" ({why})" if why else ""))
         self.response_id = response_id
         self.field = field

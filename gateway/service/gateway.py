@@ -28,7 +28,7 @@ from gateway.core.types import Decision, PrefixMatch
 from gateway.protocol import ParsedRequest
 from gateway.service.admission import Admission
 from gateway.service.cluster import Cluster
-from gateway.service.errors import ResponseNotFound
+from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.kv_events import KvEventSubscriber
 from gateway.service.metrics import GatewayMetrics
@@ -203,8 +203,19 @@ class GatewayService:
         body: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         stream: bool = False,
+        continues: str | None = None,
     ) -> Relay:
-        return await self.forwarder.open(decision, path, body, headers, stream)
+        """``continues``: the stored response the request continues (``previous_response_id``).
+        Its engine is the only one that can answer; when that engine cannot be reached (killed:
+        the response lived in its memory), the answer is OpenAI's 404 for an unknown id, naming
+        ``previous_response_id``, never another engine's answer without the history."""
+        try:
+            return await self.forwarder.open(decision, path, body, headers, stream)
+        except UpstreamFailed as exc:
+            if continues is None or decision.reason != "owner" or not exc.connect:
+                raise
+            why = f"the engine that stored it, '{decision.engine}', cannot be reached"
+            raise ResponseNotFound(continues, "previous_response_id", why) from None
 
     async def abandon(self, plan: Plan) -> None:
         """The request was planned but never reached an engine."""
@@ -225,9 +236,16 @@ class GatewayService:
         """A call on a stored response of the tenant's, made on the engine that holds it."""
         owner = await self.placement.owners.owner(tenant.namespace(response_id))
         state = self.cluster.engines.get(owner) if owner is not None else None
-        if state is None or not state.healthy:
-            raise ResponseNotFound(response_id, "response_id")
-        return await self.forwarder.call(owner, method, path, None)
+        if owner is None or state is None or not state.healthy:
+            why = None if state is None else f"the engine that stored it, '{owner}', is gone"
+            raise ResponseNotFound(response_id, "response_id", why)
+        try:
+            return await self.forwarder.call(owner, method, path, None)
+        except UpstreamFailed as exc:
+            if not exc.connect:
+                raise
+            why = f"the engine that stored it, '{owner}', cannot be reached"
+            raise ResponseNotFound(response_id, "response_id", why) from None
 
     async def forward_once(
         self,

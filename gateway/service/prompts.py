@@ -3,6 +3,14 @@ dialect), the prompt's block hashes (exact through the model's tokenizer, else a
 the prompt text) and which prefix index they belong to, bundled as a core
 :class:`~gateway.core.turn.Turn`.
 
+Auxiliary requests are not the session's next turn: a harness's compaction (the conversation
+summarised to start a shorter one), a title or side question, a memory pass, a cache prewarm
+(``request_kind`` in :data:`AUXILIARY_KINDS`, from Codex's ``x-codex-turn-metadata`` or Claude
+Code's ``x-claude-code-request-class``). Their hints lose the session and its parent, so they are
+routed as session-less requests (by where their prefix is cached, and load) and never place or
+settle the session: its home, turns, prefix hashes, kept token ids, pins and planned migrations
+stay as the last real turn left them.
+
 Read-only: nothing here changes state the router reads (the dry run of ``/debug/route`` uses it
 as the real path does).
 """
@@ -22,9 +30,22 @@ from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
 
-__all__ = ["PromptRead", "Prompts"]
+__all__ = ["AUXILIARY_KINDS", "PromptRead", "Prompts", "without_session"]
 
 _HINT_HEADER_BYTES = frozenset(h.encode() for h in HEADER_NAMES)
+
+#: ``request_kind`` values that mark a request as not the session's next turn (Codex:
+#: ``compaction``, ``memory``, ``prewarm``; Claude Code: ``compaction``, ``auxiliary``,
+#: ``side_reply``). Kinds not listed (``turn``, ``main``, ``subagent``, ``workflow``, anything
+#: new) are turns, as before.
+AUXILIARY_KINDS = frozenset({"compaction", "auxiliary", "side_reply", "memory", "prewarm"})
+_SESSION_FIELDS = ("session_id", "parent_session_id", "session_end")
+
+
+def without_session(hints: AgentHints) -> AgentHints:
+    """An auxiliary request's hints: the same, less the session, its parent and its end."""
+    sources = {k: v for k, v in hints.sources.items() if k not in _SESSION_FIELDS}
+    return replace(hints, session_id=None, parent_session_id=None, session_end=False, sources=sources)
 
 
 @dataclass(slots=True)
@@ -70,9 +91,12 @@ class Prompts:
     def hints(
         self, parsed: ParsedRequest, headers: Sequence[tuple[bytes, bytes]], tenant: Tenant = ANONYMOUS
     ) -> tuple[AgentHints, str | None]:
-        """The request's hints, their ids in the tenant's namespace; an invalid hint is a
-        :class:`HintError` under ``on_invalid: reject``, else ignored with a warning."""
+        """The request's hints, their ids in the tenant's namespace (none for an auxiliary
+        request); an invalid hint is a :class:`HintError` under ``on_invalid: reject``, else
+        ignored with a warning."""
         hints, warning = self._hints(parsed, headers)
+        if hints.request_kind in AUXILIARY_KINDS:
+            hints = without_session(hints)
         if hints.session_id is not None or hints.parent_session_id is not None:
             sid, pid = hints.session_id, hints.parent_session_id
             hints = replace(
