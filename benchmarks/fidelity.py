@@ -179,6 +179,51 @@ def run_sim(
     return m
 
 
+def replay_setup(
+    args: argparse.Namespace, prefix: str, extra_args: tuple[str, ...]
+) -> tuple[Any, dict[str, Any], list[Any], Path, int]:
+    """The trace (its stats printed in one line) and the specs of `args.workers` tiny-llama engines
+    for a live replay (shared with `benchmarks.split_live`): returns the plays, their stats, the
+    specs, the engines' log folder and a free port for the gateway."""
+    from gateway.local.embedded import DEFAULT_HOME
+    from gateway.local.engines import EngineSpec, free_ports
+    from gateway.local.tiny_model import build_tiny_model
+
+    plays = load_trace(
+        args.trace or default_trace(),
+        args.plays,
+        args.max_requests,
+        scale=True,
+        max_context=args.max_context,
+        block_size=128,
+        max_output=args.max_output,
+    )
+    st = trace_stats(plays)
+    print(
+        f"trace: {st['plays']} plays, {st['requests']} requests ({st['subagent_requests']} subagent), "
+        f"{st['input_tokens']} input tokens, ideal reuse {st['ideal_hit_rate']:.1%}",
+        flush=True,
+    )
+    model_dir = build_tiny_model(DEFAULT_HOME / "models" / "tiny-llama", "llama")
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    ports = free_ports(2 * args.workers + 1, PORTS)
+    specs = [
+        EngineSpec(
+            name=f"e{i}",
+            model_dir=model_dir,
+            served_model_name="tiny-llama",
+            port=ports[2 * i],
+            kv_events_port=ports[2 * i + 1],
+            log_path=work / f"e{i}.log",
+            max_model_len=args.max_context,
+            num_gpu_blocks_override=args.num_gpu_blocks,
+            extra_args=extra_args,
+        )
+        for i in range(args.workers)
+    ]
+    return plays, st, specs, work, ports[-1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=None)
@@ -198,47 +243,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from gateway.local.embedded import DEFAULT_HOME
-    from gateway.local.engines import HASH_SEED, EngineSpec, free_ports, start_engines
-    from gateway.local.tiny_model import build_tiny_model
+    from gateway.local.engines import HASH_SEED, start_engines
 
-    plays = load_trace(
-        args.trace or default_trace(),
-        args.plays,
-        args.max_requests,
-        scale=True,
-        max_context=args.max_context,
-        block_size=128,
-        max_output=args.max_output,
+    plays, st, specs, work, gw_port = replay_setup(
+        args,
+        "agentgw-fidelity-",
+        (
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+        ),
     )
-    st = trace_stats(plays)
-    print(
-        f"trace: {st['plays']} plays, {st['requests']} requests ({st['subagent_requests']} subagent), "
-        f"{st['input_tokens']} input tokens, ideal reuse {st['ideal_hit_rate']:.1%}",
-        flush=True,
-    )
-    model_dir = build_tiny_model(DEFAULT_HOME / "models" / "tiny-llama", "llama")
-    work = Path(tempfile.mkdtemp(prefix="agentgw-fidelity-"))
-    ports = free_ports(2 * args.workers + 1, PORTS)
-    specs = [
-        EngineSpec(
-            name=f"e{i}",
-            model_dir=model_dir,
-            served_model_name="tiny-llama",
-            port=ports[2 * i],
-            kv_events_port=ports[2 * i + 1],
-            log_path=work / f"e{i}.log",
-            max_model_len=args.max_context,
-            num_gpu_blocks_override=args.num_gpu_blocks,
-            extra_args=(
-                "--max-num-batched-tokens",
-                str(args.max_num_batched_tokens),
-                "--max-num-seqs",
-                str(args.max_num_seqs),
-            ),
-        )
-        for i in range(args.workers)
-    ]
+    model_dir = specs[0].model_dir
     print(f"starting {args.workers} engines (logs in {work})...", flush=True)
     t = time.perf_counter()
     engines = start_engines(specs, timeout_s=400)
@@ -258,7 +275,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{perf.p0:.2f} + {perf.p1:.3e} T + {perf.p2:.3e} T^2 ms, decode {perf.d0:.2f} ms",
             flush=True,
         )
-        gw_port = ports[-1]
         config = {
             "pools": [
                 {

@@ -21,14 +21,12 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.fidelity import DEFAULT_PLAYS, PORTS, cache_config_info, calibrate, start_gateway
-from benchmarks.live_replay import LiveConfig, default_trace, format_table, load_trace, run_live
-from benchmarks.sim.traces import trace_stats
+from benchmarks.fidelity import DEFAULT_PLAYS, cache_config_info, calibrate, replay_setup, start_gateway
+from benchmarks.live_replay import LiveConfig, format_table, run_live
 
 LAYOUTS = ("wall", "cost", "cost+ctl", "one pool")
 
@@ -90,42 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from gateway.local.embedded import DEFAULT_HOME
-    from gateway.local.engines import EngineSpec, free_ports, start_engines
-    from gateway.local.tiny_model import build_tiny_model
+    from gateway.local.engines import start_engines
 
-    plays = load_trace(
-        args.trace or default_trace(),
-        args.plays,
-        args.max_requests,
-        scale=True,
-        max_context=args.max_context,
-        block_size=128,
-        max_output=args.max_output,
+    plays, st, specs, work, gw_port = replay_setup(
+        args, "agentgw-split-live-", ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
     )
-    st = trace_stats(plays)
-    print(
-        f"trace: {st['plays']} plays, {st['requests']} requests ({st['subagent_requests']} subagent), "
-        f"ideal reuse {st['ideal_hit_rate']:.1%}",
-        flush=True,
-    )
-    model_dir = build_tiny_model(DEFAULT_HOME / "models" / "tiny-llama", "llama")
-    work = Path(tempfile.mkdtemp(prefix="agentgw-split-live-"))
-    ports = free_ports(2 * args.workers + 1, PORTS)
-    specs = [
-        EngineSpec(
-            name=f"e{i}",
-            model_dir=model_dir,
-            served_model_name="tiny-llama",
-            port=ports[2 * i],
-            kv_events_port=ports[2 * i + 1],
-            log_path=work / f"e{i}.log",
-            max_model_len=args.max_context,
-            num_gpu_blocks_override=args.num_gpu_blocks,
-            extra_args=("--max-num-batched-tokens", str(args.max_num_batched_tokens)),
-        )
-        for i in range(args.workers)
-    ]
+    model_dir = specs[0].model_dir
     t = time.perf_counter()
     engines = start_engines(specs, timeout_s=400)
     report: dict[str, Any] = {"trace": st, "args": vars(args), "runs": {}}
@@ -145,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         salt = random.randrange(1 << 30)
         for i, layout in enumerate(x for x in args.layouts.split(",") if x):
             cfg = gateway_config(layout, specs, model_dir, block_size, cost)
-            gw = start_gateway(cfg, work, ports[-1])
+            gw = start_gateway(cfg, work, gw_port)
             try:
                 live = LiveConfig(
-                    url=f"http://127.0.0.1:{ports[-1]}",
+                    url=f"http://127.0.0.1:{gw_port}",
                     speedup=args.speedup,
                     lanes=args.lanes,
                     salt=salt + i,
