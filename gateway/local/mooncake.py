@@ -24,6 +24,18 @@ from typing import ClassVar
 from gateway.local.engines import free_ports
 
 
+def _terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> None:
+    """SIGTERM a started process, SIGKILL it after `grace_s`, and reap it."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class MooncakeMaster:
     def __init__(self, log_path: Path | None = None, lease_ttl_ms: int = 2000) -> None:
         # the store extra installs it next to this interpreter (a venv that need not be activated)
@@ -75,14 +87,7 @@ class MooncakeMaster:
         raise TimeoutError("mooncake_master did not become healthy")
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        _terminate(self._proc)
         self._proc = None
 
     def capacity_bytes(self) -> int:
@@ -157,14 +162,7 @@ class MooncakeStoreNode:
         raise TimeoutError("mooncake_client's segment was not mounted")
 
     def stop(self) -> None:
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        _terminate(self._proc)
         self._proc = None
 
     def __enter__(self) -> MooncakeStoreNode:
