@@ -13,7 +13,7 @@
    393 ms attempting every move vs 671 ms moving only when the copy fits the gap).
 
 Targets are warm or ``any`` engines, healthy, queue <= ``max_target_queue``, with room for the
-prefix (``kv_usage + blocks / capacity_blocks <= 1`` when the capacity is known), ranked by the
+prefix (``unpinned_usage + blocks / capacity_blocks <= 1`` when the capacity is known), ranked by the
 prefix already in device memory, then anywhere (medium-weighted), then the least KV in use, the
 shortest queue and the name.
 4. ``demote``: the expected gap exceeds ``demote_after_s`` -> do not hold device memory for
@@ -94,7 +94,7 @@ def _rank(
     blocks = -(-turn.context_tokens // turn.block_size)
 
     def room(e: EngineView) -> bool:
-        return e.capacity_blocks <= 0 or e.kv_usage + blocks / e.capacity_blocks <= 1.0
+        return e.capacity_blocks <= 0 or e.unpinned_usage + blocks / e.capacity_blocks <= 1.0
 
     ok = [
         e
@@ -111,7 +111,7 @@ def _rank(
         key=lambda e: (
             -matches.get(e.name, none).gpu_blocks,
             -matches.get(e.name, none).weighted_blocks,
-            e.kv_usage,
+            e.unpinned_usage,
             e.queue,
             e.name,
         ),
@@ -165,13 +165,13 @@ def plan_rehome(
 
     def rank(e: EngineView) -> tuple[bool, bool, int, float, float, int, str]:
         m = matches.get(e.name, none)
-        fits = e.capacity_blocks <= 0 or e.kv_usage + blocks / e.capacity_blocks <= 1.0
+        fits = e.capacity_blocks <= 0 or e.unpinned_usage + blocks / e.capacity_blocks <= 1.0
         return (
             not fits,
             e.queue > params.max_target_queue,
             -m.gpu_blocks,
             -m.weighted_blocks,
-            e.kv_usage,
+            e.unpinned_usage,
             e.queue,
             e.name,
         )

@@ -69,6 +69,12 @@ class EngineView:
     that needs room, so they are free for admission."""
 
     @property
+    def unpinned_usage(self) -> float:
+        """``kv_usage`` less the soft-pinned share: the device KV a new request cannot reclaim.
+        What every room check and KV ranking reads (pins yield to admission)."""
+        return max(0.0, self.kv_usage - self.pinned_share)
+
+    @property
     def queue(self) -> int:
         """Best estimate of outstanding work: engine metrics lag, the gateway's count does not."""
         return max(self.inflight, self.running + self.waiting)

@@ -281,5 +281,14 @@ def test_sticky_leaves_a_home_that_cannot_hold_the_turn() -> None:
     assert sticky_route([cap("a", 0.9), cap("b", 0.1)], {"a": 19}) == ("b", "kv_overflow")
 
 
+def test_sticky_home_full_of_soft_pins_still_holds_the_turn() -> None:
+    """vLLM's gauge says 90% used, but 60% of the device is soft-pinned blocks that yield to
+    admission: the turn fits at home. The room checks read the unpinned share, not the gauge."""
+    pinned = eng("a", kv_usage=0.9, capacity_blocks=100, pinned_share=0.6)
+    assert pinned.unpinned_usage == pytest.approx(0.3)
+    assert sticky_route([pinned, cap("b", 0.1)], {"a": 19}) == ("a", "sticky")
+    assert sticky_route([cap("a", 0.9), cap("b", 0.1)], {"a": 19}) == ("b", "kv_overflow")
+
+
 def test_sticky_leaves_a_cold_home() -> None:
     assert sticky_route([cap("a", 0.1), cap("b", 0.1)], {"a": 2, "b": 19}) == ("b", "rehome_cold")

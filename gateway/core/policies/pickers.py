@@ -10,7 +10,7 @@
 - ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request, warm_frac, kv_high)``:
   ours. Two checks first: a home that holds less than ``warm_frac`` of the best prefix match any
   engine has gives up its claim (the weighted scores decide, ``rehome_cold``); a home that cannot
-  hold the turn (``kv_usage + ceil(prompt / block) / capacity_blocks > kv_high``, capacity known)
+  hold the turn (``unpinned_usage + ceil(prompt / block) / capacity_blocks > kv_high``, capacity known)
   sends it to the cheapest engine where it fits (``kv_overflow``: without this, a sticky home
   collects sessions it cannot hold and preempts, measured in the simulator). Then, if the
   home's queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
@@ -81,7 +81,7 @@ def _cached_tokens(req: RouteRequest, snap: Snapshot, engine: str) -> int:
 
 def _fits(view: EngineView, blocks: int, kv_high: float) -> bool:
     cap = view.capacity_blocks
-    return cap <= 0 or view.kv_usage + blocks / cap <= kv_high
+    return cap <= 0 or view.unpinned_usage + blocks / cap <= kv_high
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,5 +148,5 @@ class CacheAware:
             self.cache_threshold * req.prompt_tokens
         ):
             return Pick(best, "prefix")
-        room = min(candidates, key=lambda c: (views[c.engine].kv_usage, qs[c.engine], c.engine))
+        room = min(candidates, key=lambda c: (views[c.engine].unpinned_usage, qs[c.engine], c.engine))
         return Pick(room, "cache_room")

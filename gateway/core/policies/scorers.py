@@ -61,7 +61,7 @@ class KvUsageScorer:
     name: str = "kv_usage"
 
     def score(self, req: RouteRequest, snap: Snapshot, engines: Sequence[EngineView]) -> Sequence[float]:
-        return [min(1.0, max(0.0, 1.0 - max(0.0, e.kv_usage - e.pinned_share))) for e in engines]
+        return [min(1.0, max(0.0, 1.0 - e.unpinned_usage)) for e in engines]
 
 
 @dataclass(frozen=True, slots=True)
