@@ -20,6 +20,8 @@ def to_api_error(exc: DomainError | HintError) -> ApiError:
     if isinstance(exc, NoCapacity):
         return ApiError(503, exc.message, None, "no_healthy_engine", retry_after=exc.retry_after)
     if isinstance(exc, ResponseNotFound):
+        if exc.field == "previous_response_id":  # OpenAI's answer: a 400, not a 404
+            return ApiError(400, exc.message, exc.field, "previous_response_not_found")
         return ApiError(404, exc.message, exc.field, "response_not_found")
     if isinstance(exc, UpstreamFailed):
         return ApiError(502, exc.message, None, "upstream_connect_error" if exc.connect else "upstream_error")

@@ -25,6 +25,7 @@ from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
+from gateway.service.errors import ResponseNotFound
 from gateway.service.gateway import GatewayService, Plan, Relay
 from gateway.service.responses import SCAN_BYTES, find_response_id
 
@@ -250,26 +251,37 @@ class GenerationEndpoint:
         try:
             if up.status >= 400:
                 watch.stop()
-                await self._relay_error(svc, plan, up, t0, send)
+                await self._relay_error(svc, plan, up, t0, send, parsed.previous_response_id)
                 return
             record = wire.stores_responses and parsed.store and up.status == 200
             await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight)
         finally:
             up.close()
 
-    async def _relay_error(self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any) -> None:
+    async def _relay_error(
+        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any, continues: str | None = None
+    ) -> None:
         """An engine's error answer, re-shaped into the API's error shape (vLLM's own errors are
-        ``{"detail": ...}`` on some paths)."""
+        ``{"detail": ...}`` on some paths). The owner's 404 for a ``previous_response_id`` (it
+        evicted the response) becomes OpenAI's 400 ``previous_response_not_found``, as when the
+        gateway knows no owner."""
         status = "502"
         try:
-            body = self.wire.reshape_error(up.status, await up.read())
-            status = str(up.status)
+            raw = await up.read()
+            if up.status == 404 and continues is not None:
+                err = to_api_error(
+                    ResponseNotFound(continues, "previous_response_id", "its engine no longer holds it")
+                )
+                up_status, body = err.status, self.wire.render_error(err)
+            else:
+                up_status, body = up.status, self.wire.reshape_error(up.status, raw)
+            status = str(up_status)
             headers = [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 *plan.response_headers(up),
             ]
-            await send({"type": "http.response.start", "status": up.status, "headers": headers})
+            await send({"type": "http.response.start", "status": up_status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
         except (TimeoutError, aiohttp.ClientError) as exc:
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()

@@ -40,6 +40,7 @@ class ResponseNotFound(DomainError):
     ``field`` names where the id came from."""
 
     def __init__(self, response_id: str, field: str, why: str | None = None) -> None:
-        super().__init__(f"Response with id '{response_id}' not found." + (f" ({why})" if why else ""))
+        what = "Previous response" if field == "previous_response_id" else "Response"
+        super().__init__(f"{what} with id '{response_id}' not found." + (f" ({why})" if why else ""))
         self.response_id = response_id
         self.field = field

@@ -183,12 +183,15 @@ def test_responses_chain_reaches_its_engine(gateway: ServedGateway) -> None:
     _all_blocks_announced(gateway, "responses", body, r.headers["x-agentgw-engine"])
 
 
-def test_unknown_response_ids_get_openais_404(gateway: ServedGateway) -> None:
+def test_unknown_response_ids_get_openais_answers(gateway: ServedGateway) -> None:
+    """OpenAI's: a 400 ``previous_response_not_found`` for a chain that cannot continue, a 404 for
+    a GET of an unknown id."""
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="any", max_retries=0)
-    with pytest.raises(openai.NotFoundError) as exc:
+    with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_nope")
     assert exc.value.body["param"] == "previous_response_id"  # type: ignore[index]
-    assert exc.value.body["code"] == "response_not_found"  # type: ignore[index]
+    assert exc.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
+    assert exc.value.body["type"] == "invalid_request_error"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nope")
     r = httpx.delete(f"{gateway.url}/v1/responses/resp_nope", timeout=10)

@@ -7,11 +7,12 @@ do), ``rb`` runs with the local engines' defaults.
 - Bound: one response more than the entry bound, and the oldest is gone (vLLM's own OpenAI-shaped
   404, for ``GET`` and for ``previous_response_id``) while the newest are kept; long histories,
   and the bytes held (the engine's ``agentgw_engine_responses_store_bytes``) never pass the bound
-  while evictions grow; a response the gateway routed there and the engine evicted gets the same
-  404 through the gateway.
+  while evictions grow; a response the gateway routed there and the engine evicted gets OpenAI's
+  400 ``previous_response_not_found`` through the gateway.
 - Owner killed: a response stored on ``ra`` through the gateway, ``ra`` SIGKILLed; a follow-up
-  with its ``previous_response_id`` (streamed or not) and ``GET /v1/responses/{id}`` get OpenAI's
-  404 ``response_not_found`` naming the field, whether the gateway has not yet noticed (the
+  with its ``previous_response_id`` (streamed or not) gets OpenAI's 400
+  ``previous_response_not_found`` and ``GET /v1/responses/{id}`` its 404 ``response_not_found``,
+  each naming the field, whether the gateway has not yet noticed (the
   connection is refused) or has ejected the engine; never a 5xx, a hang, or an answer from ``rb``
   without the history. The gateway goes on serving new chains on ``rb``.
 """
@@ -74,7 +75,9 @@ def create(url: str, text: str, **kw: Any) -> httpx.Response:
 
 
 def assert_not_found(r: httpx.Response, param: str) -> dict[str, Any]:
-    assert r.status_code == 404, r.text
+    # OpenAI's answers: 400 previous_response_not_found for a chain, 404 for an id (vLLM's own
+    # answer on the engine is a 404 for both)
+    assert r.status_code == (400 if param == "previous_response_id" else 404), r.text
     err: dict[str, Any] = r.json()["error"]
     # vLLM's own type, or the gateway's for a 404 (both OpenAI's shape, naming the field)
     assert err["type"] in ("invalid_request_error", "not_found_error") and err["param"] == param, err
@@ -154,7 +157,8 @@ def test_owner_engine_killed_gets_the_clear_404(engines: dict[str, LocalEngine])
         evicted = _stored_on(gw, "ra")
         for i in range(MAX_ENTRIES):
             assert create(ra.url, f"filler {i}").status_code == 200
-        assert_not_found(create(gw.url, "next", previous_response_id=evicted), "response_id")
+        err = assert_not_found(create(gw.url, "next", previous_response_id=evicted), "previous_response_id")
+        assert err["code"] == "previous_response_not_found" and evicted in err["message"], err
 
         rid = _stored_on(gw, "ra")
         follow = create(gw.url, "second turn", previous_response_id=rid)
@@ -165,7 +169,7 @@ def test_owner_engine_killed_gets_the_clear_404(engines: dict[str, LocalEngine])
         err = assert_not_found(httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=60), "response_id")
         assert err["code"] == "response_not_found" and "'ra'" in err["message"], err
         err = assert_not_found(create(gw.url, "third turn", previous_response_id=rid), "previous_response_id")
-        assert err["code"] == "response_not_found" and "'ra'" in err["message"], err
+        assert err["code"] == "previous_response_not_found" and "'ra'" in err["message"], err
         assert not gw.service.cluster.engines["ra"].healthy  # the refused connection ejected it
         # ejected: the same answers, without trying it
         for stream in (False, True):
