@@ -274,27 +274,10 @@ class Simulator:
         roles = self._roles
         homed = self.homes.homed(self.now)
         load = self.load
-        if load is not None:
-            return tuple(
-                merge(
-                    EngineView(
-                        name=e.name,
-                        pool=roles[i][0],
-                        role=roles[i][1],
-                        models=self._models,
-                        running=len(e.running),
-                        waiting=len(e.waiting),
-                        kv_usage=e.kv_usage,
-                        inflight=self._inflight_n[i],
-                        capacity_blocks=e.cfg.num_blocks,
-                        homed_tokens=homed.get(e.name, 0),
-                    ),
-                    load.of(e.name),
-                )
-                for i, e in enumerate(self.engines)
-            )
-        return tuple(
-            EngineView(
+        exact = load is None  # the engine model's own load fields, else the gateway's ledger
+        views = []
+        for i, e in enumerate(self.engines):
+            view = EngineView(
                 name=e.name,
                 pool=roles[i][0],
                 role=roles[i][1],
@@ -304,12 +287,12 @@ class Simulator:
                 kv_usage=e.kv_usage,
                 inflight=self._inflight_n[i],
                 capacity_blocks=e.cfg.num_blocks,
-                decoding=e.decoding,
-                prefill_backlog_tokens=e.prefill_backlog_tokens(),
+                decoding=e.decoding if exact else 0,
+                prefill_backlog_tokens=e.prefill_backlog_tokens() if exact else 0,
                 homed_tokens=homed.get(e.name, 0),
             )
-            for i, e in enumerate(self.engines)
-        )
+            views.append(view if load is None else merge(view, load.of(e.name)))
+        return tuple(views)
 
     def _control_roles(self, now: float) -> None:
         """A controller tick: measure, decide, apply; re-armed while other events are pending."""

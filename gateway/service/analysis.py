@@ -105,19 +105,16 @@ def _run(tok: ChatTokenizer, kind: str, body: dict[str, Any], keep: bool) -> tup
     bytes, encoded, token bytes or None, s), ("api", ..., s) or ("unsupported", reason, s).
     Token ids travel back only when ``keep`` (a session keeps them): for a 168K-token prompt they
     are 673 KB, the largest part of a worker's answer. (ApiError does not pickle.)"""
-    start = time.perf_counter()
-    try:
-        info = tok.prompt_info(kind, body)
-    except ApiError as exc:
-        return ("api", exc.status, exc.message, exc.param, exc.code, time.perf_counter() - start)
-    except Unsupported as exc:
-        return ("unsupported", exc.reason, time.perf_counter() - start)
+    out = _run_local(tok, kind, body)
+    if out[0] != "info":
+        return out
+    _, info, seconds = out
     data = None
     if keep:
         tokens = info.tokens
         data = tokens.tobytes() if isinstance(tokens, array) else array("i", tokens).tobytes()
     hashes = array("Q", info.hashes).tobytes()
-    return ("ok", info.num_tokens, hashes, info.encoded_tokens, data, time.perf_counter() - start)
+    return ("ok", info.num_tokens, hashes, info.encoded_tokens, data, seconds)
 
 
 def _run_local(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
