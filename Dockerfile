@@ -122,6 +122,8 @@ COPY engine_ext /src/engine_ext
 COPY kernels /src/kernels
 RUN pip-install --no-deps /src && rm -rf /src
 COPY deploy/launch.py /opt/agentgw/launch.py
+# CUDA graphs and the async pinning scheduler (gateway/local/engines.py, EngineSpec.platform)
+ENV AGENTGW_ENGINE_PLATFORM=cuda
 USER agentgw
 EXPOSE 8100
 CMD ["engine", "first0"]

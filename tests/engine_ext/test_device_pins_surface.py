@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import json
 
+import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -19,7 +20,7 @@ from vllm.v1.request import Request
 
 from engine_ext import config
 from engine_ext.scheduler import AsyncPinningScheduler, PinningScheduler
-from gateway.local.engines import ENGINE_EXT_SCHEDULER, EngineSpec, engine_command
+from gateway.local.engines import ENGINE_EXT_ASYNC_SCHEDULER, ENGINE_EXT_SCHEDULER, EngineSpec, engine_command
 
 
 def _params(fn: object) -> list[str]:
@@ -96,3 +97,18 @@ def test_local_engines_load_the_pinning_scheduler_with_engine_ext() -> None:
     assert "--scheduler-cls" not in engine_command(EngineSpec(**base))  # type: ignore[arg-type]
     own = ("--kv-transfer-config", kv, "--scheduler-cls", "x.Y")
     assert engine_command(EngineSpec(**base, extra_args=own)).count("--scheduler-cls") == 1  # type: ignore[arg-type]
+
+
+def test_gpu_engines_load_the_async_pinning_scheduler_and_keep_cuda_graphs() -> None:
+    base = dict(name="e", model_dir="/m", served_model_name="m", port=1, log_path="/dev/null")
+    kv = json.dumps(config.kv_transfer_config(1 << 20))
+    cpu = engine_command(EngineSpec(**base, extra_args=("--kv-transfer-config", kv)))  # type: ignore[arg-type]
+    gpu = engine_command(EngineSpec(**base, extra_args=("--kv-transfer-config", kv), platform="cuda"))  # type: ignore[arg-type]
+    assert "--enforce-eager" in cpu and "--enforce-eager" not in gpu
+    cls = gpu[gpu.index("--scheduler-cls") + 1]
+    assert cls == ENGINE_EXT_ASYNC_SCHEDULER
+    resolved = SchedulerConfig(scheduler_cls=cls, max_model_len=4096, is_encoder_decoder=False)
+    assert resolved.get_scheduler_cls() is AsyncPinningScheduler
+    assert issubclass(AsyncPinningScheduler, AsyncScheduler)
+    with pytest.raises(ValueError, match="platform"):
+        EngineSpec(**base, platform="rocm")  # type: ignore[arg-type]
