@@ -111,16 +111,19 @@ CMD ["engine", "first0"]
 
 FROM base AS engine-gpu
 ARG WHEELS_URL
+# a wheelhouse of CUDA wheels of its own (GPU_WHEELS_URL, scripts/gpu-image-check.sh): a find-links
+# holding both torch 2.13.0+cpu and 2.13.0 would resolve vLLM's torch==2.13.0 to the +cpu one
+ARG GPU_WHEELS_URL
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 procps \
  && rm -rf /var/lib/apt/lists/*
 # vLLM's GPU wheel brings its CUDA torch and runtime libraries; the host provides the driver
-RUN pip-install "vllm==0.32.0" mooncake-transfer-engine /src \
+RUN WHEELS_URL="${GPU_WHEELS_URL:-$WHEELS_URL}" pip-install "vllm==0.32.0" mooncake-transfer-engine /src \
  && pip uninstall -y agentgw
 COPY gateway /src/gateway
 COPY engine_ext /src/engine_ext
 COPY kernels /src/kernels
-RUN pip-install --no-deps /src && rm -rf /src
+RUN WHEELS_URL="${GPU_WHEELS_URL:-$WHEELS_URL}" pip-install --no-deps /src && rm -rf /src
 COPY deploy/launch.py /opt/agentgw/launch.py
 # CUDA graphs and the async pinning scheduler (gateway/local/engines.py, EngineSpec.platform)
 ENV AGENTGW_ENGINE_PLATFORM=cuda
