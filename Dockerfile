@@ -107,7 +107,7 @@ RUN pip-install --no-deps /src && rm -rf /src
 COPY deploy/launch.py /opt/agentgw/launch.py
 USER agentgw
 EXPOSE 8100
-CMD ["engine", "first0"]
+CMD ["engine", "engine0"]
 
 FROM base AS engine-gpu
 ARG WHEELS_URL
@@ -124,4 +124,4 @@ RUN pip-install --no-deps /src && rm -rf /src
 COPY deploy/launch.py /opt/agentgw/launch.py
 USER agentgw
 EXPOSE 8100
-CMD ["engine", "first0"]
+CMD ["engine", "engine0"]
