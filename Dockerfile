@@ -107,7 +107,7 @@ RUN pip-install --no-deps /src && rm -rf /src
 COPY deploy/launch.py /opt/agentgw/launch.py
 USER agentgw
 EXPOSE 8100
-CMD ["engine", "first0"]
+CMD ["engine", "engine0"]
 
 FROM base AS engine-gpu
 ARG WHEELS_URL
@@ -129,4 +129,4 @@ COPY deploy/launch.py /opt/agentgw/launch.py
 ENV AGENTGW_ENGINE_PLATFORM=cuda
 USER agentgw
 EXPOSE 8100
-CMD ["engine", "first0"]
+CMD ["engine", "engine0"]

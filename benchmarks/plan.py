@@ -24,11 +24,24 @@ Prints one table (cells: TPGS / P90 tok/s / p90 TTFT ms, ``*`` = meets the SLO) 
 recommendation; ``--write`` saves it as a gateway config (``routing`` and a ``pools`` layout
 whose engine URLs are placeholders to edit); ``--plot`` saves TPGS and p90 TTFT against the
 layout at the largest lane count.
+
+``agentgw serve``'s default layout (``gateway.local.layout.DEFAULT``) is this recommendation for 3
+engines on the Weka dev trace, recorded with ``--record`` (:data:`RECORD_ARGV`)::
+
+    python -m benchmarks.plan --trace-path /work/shared/traces/weka --engines 3 --lanes 2,4,6,8 \
+        --record benchmarks/plans/default_3engines.json
+
+The record holds every point of that sweep, its recommendation, and a small sweep on the
+synthetic plays (:data:`FINGERPRINT_ARGV`, ~20 s) run by the same code;
+tests/benchmarks/test_default_layout.py re-runs the fingerprint and fails when any figure
+differs (routing or simulator changed: re-record) or when the record recommends another layout
+than ``DEFAULT``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -39,10 +52,15 @@ from benchmarks.compare import load_trace, meets_slo, run_one
 from benchmarks.sim.calibration import ENGINES
 from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request
 from benchmarks.sim.tiers import TiersConfig
+from gateway.local.layout import DEFAULT, LocalLayout
 
-__all__ = ["Layout", "layouts", "main", "recommend"]
+__all__ = ["FINGERPRINT_ARGV", "RECORD_ARGV", "Layout", "layouts", "main", "recommend", "sweep"]
 
 VENDORED = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "weka"
+RECORD_ARGV = ("--trace-path", "/work/shared/traces/weka", "--engines", "3", "--lanes", "2,4,6,8")
+"""The sweep ``gateway.local.layout.DEFAULT`` was measured with (the 48-play Weka dev trace, ~10 min)."""
+FINGERPRINT_ARGV = ("--trace", "synth", "--n", "6", "--engines", "3", "--lanes", "6", "--speedup", "1")
+"""A small sweep recorded with it: when its figures change, the routing or the simulator did."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +86,14 @@ class Layout:
 
     def complexity(self) -> tuple[int, int, int]:
         return (self.first_turn > 0, self.first_turn, self.controller)
+
+    def local(self, engines: int) -> LocalLayout:
+        """The layout as ``agentgw serve`` / the gateway config holds it."""
+        if not self.first_turn:
+            return LocalLayout(engines, 0)
+        return LocalLayout(
+            engines, self.first_turn, "wall" if self.split == "wall" else "cost", self.controller
+        )
 
 
 def layouts(engines: int, max_first_turn: int | None = None) -> list[Layout]:
@@ -107,30 +133,16 @@ def recommend(results: dict[Layout, list[Point]], slo_ttft_ms: float, slo_tok_s:
 
 def config_text(layout: Layout, engines: int, model: str, header: str) -> str:
     """A gateway config (YAML) with the recommended routing and pools; URLs are placeholders."""
-    names = [f"engine{i}" for i in range(engines)]
+    import yaml
 
-    def pool(name: str, role: str, members: list[str]) -> list[str]:
-        lines = [f"  - name: {name}", f"    role: {role}", "    engines:"]
-        for n in members:
-            port = 8100 + names.index(n)
-            lines += [
-                f"      - name: {n}",
-                f"        url: http://127.0.0.1:{port}",
-                f"        model: {model}",
-            ]
-        return lines
-
+    local = layout.local(engines)
+    members = [
+        {"name": n, "url": f"http://127.0.0.1:{8100 + i}", "model": model} for i, n in enumerate(local.names)
+    ]
+    data = {"routing": {"profile": "agentic", **local.routing()}, "pools": local.pools(members)}
     out = [f"# {line}" for line in header.splitlines()]
-    out += ["# engine URLs are placeholders: point them at your engines", "routing:", "  profile: agentic"]
-    if layout.first_turn == 0:
-        out += ["pools:", *pool("default", "any", names)]
-    else:
-        out += [f"  split: {layout.split}"]
-        if layout.controller:
-            out += ["  role_controller: true"]
-        f = layout.first_turn
-        out += ["pools:", *pool("first_turn", "first_turn", names[:f]), *pool("warm", "warm", names[f:])]
-    return "\n".join(out) + "\n"
+    out += ["# engine URLs are placeholders: point them at your engines"]
+    return "\n".join(out) + "\n" + yaml.safe_dump(data, sort_keys=False)
 
 
 def plot(path: Path, results: dict[Layout, list[Point]], title: str) -> None:
@@ -170,13 +182,27 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-llama", help="the model name written in the config")
     ap.add_argument("--write", default=None, help="write the recommendation as a gateway config (YAML)")
     ap.add_argument("--plot", default=None, help="write a PNG of TPGS and p90 TTFT per layout")
+    ap.add_argument(
+        "--record",
+        default=None,
+        help="write the sweep, its recommendation and the fingerprint sweep as JSON "
+        "(benchmarks/plans/default_3engines.json: agentgw serve's default layout)",
+    )
 
 
-def run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    what: str
+    lanes: list[int]
+    slo_ttft_ms: float
+    slo_tok_s: float
+    results: dict[Layout, list[Point]]
+
+
+def sweep(args: argparse.Namespace) -> Sweep:
+    """Run every layout at every lane count (raises ValueError on bad arguments)."""
     if args.engines < 1:
-        print("agentgw plan: --engines must be >= 1", file=sys.stderr)
-        return 2
+        raise ValueError("--engines must be >= 1")
     path = args.trace_path or (str(VENDORED) if args.trace == "weka" else None)
     plays = load_trace(args.trace, path, args.n)
     ideal = ideal_hits_by_request(plays)
@@ -186,8 +212,7 @@ def run(args: argparse.Namespace) -> int:
         n = len(plays)
         lanes = sorted({max(1, round(n * k / 4)) for k in (1, 2, 3, 4)})
     if not lanes or lanes[0] < 1:
-        print("agentgw plan: --lanes must be positive integers", file=sys.stderr)
-        return 2
+        raise ValueError("--lanes must be positive integers")
     slo_tok_s = args.slo_tok_s or (40.0 if args.engine == "h200-qwen3-32b-fp8-aic" else 50.0)
     tiers = TiersConfig() if args.tiers == "on" else None
     hints = not args.no_hints
@@ -212,7 +237,60 @@ def run(args: argparse.Namespace) -> int:
         f"hints {'on' if hints else 'off'}, tiers {args.tiers}; SLO p90 TTFT <= {args.slo_ttft_ms:.0f} ms "
         f"and P90 interactivity >= {slo_tok_s:g} tok/s"
     )
-    print(what)
+    return Sweep(what, lanes, args.slo_ttft_ms, slo_tok_s, results)
+
+
+def parse(argv: list[str] | tuple[str, ...]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="agentgw plan", description=(__doc__ or "").splitlines()[0])
+    add_arguments(ap)
+    return ap.parse_args(list(argv))
+
+
+def figures(s: Sweep) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every point's metrics (less the wall time), by layout label and lane count: the record's form."""
+    return {
+        layout.label: {
+            str(lanes): {k: v for k, v in m.as_dict().items() if k not in ("label", "wall_s")}
+            for lanes, m in points
+        }
+        for layout, points in s.results.items()
+    }
+
+
+def record(s: Sweep, argv: list[str], best: Layout, engines: int) -> dict[str, Any]:
+    fingerprint = sweep(parse(FINGERPRINT_ARGV))
+    local = best.local(engines)
+    return {
+        "about": "agentgw serve's default layout (gateway/local/layout.py DEFAULT) is `recommended`; "
+        "tests/benchmarks/test_default_layout.py checks it and re-runs `fingerprint`",
+        "command": "python -m benchmarks.plan " + " ".join(argv),
+        "what": s.what,
+        "slo": {"ttft_p90_ms": s.slo_ttft_ms, "interactivity_p90": s.slo_tok_s},
+        "results": figures(s),
+        "recommended": {
+            "label": local.label,
+            "engines": local.engines,
+            "first_turn": local.first_turn,
+            "split": local.split,
+            "role_controller": local.role_controller,
+        },
+        "fingerprint": {
+            "command": "python -m benchmarks.plan " + " ".join(FINGERPRINT_ARGV),
+            "what": fingerprint.what,
+            "results": figures(fingerprint),
+        },
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    try:
+        s = sweep(args)
+    except ValueError as exc:
+        print(f"agentgw plan: {exc}", file=sys.stderr)
+        return 2
+    results, lanes, slo_tok_s = s.results, s.lanes, s.slo_tok_s
+    print(s.what)
     head = f"{'layout':<16} " + " ".join(f"{'L=' + str(x):>18}" for x in lanes) + f" {'lanes at SLO':>12}"
     print(head)
     print("-" * len(head))
@@ -229,29 +307,35 @@ def run(args: argparse.Namespace) -> int:
     cap, tpgs = capacity(results[best], args.slo_ttft_ms, slo_tok_s)
     top = max(results[best], key=lambda p: p[0])[1]
     w = args.engines - best.first_turn
-    serve = f"agentgw serve --first-turn {best.first_turn} --warm {w}" if best.first_turn else ""
+    local = best.local(args.engines)
+    serve = local.serve_command() + (" (agentgw serve's default)" if local == DEFAULT else "")
     print(
         f"recommended: {best.label.replace('W', str(w))} "
         f"(lanes at SLO {cap}, TPGS there {tpgs:.0f}; at L={max(lanes)}: p90 TTFT "
         f"{top.ttft_p90_ms:.0f} ms, P90 {top.interactivity_p90:.1f} tok/s, TPGS {top.tpgs:.0f})"
-        + (f"; locally: {serve}" if serve else "")
+        f"; locally: {serve}"
     )
     if args.write:
         Path(args.write).write_text(
-            config_text(best, args.engines, args.model, f"agentgw plan: {what}\nrecommended: {best.label}")
+            config_text(best, args.engines, args.model, f"agentgw plan: {s.what}\nrecommended: {best.label}")
         )
         print(f"wrote {args.write}")
     if args.plot:
         plot(Path(args.plot), results, f"{args.engines} engines, L={max(lanes)}, speed-up {args.speedup:g}")
         print(f"wrote {args.plot}")
+    if args.record:
+        given = list(argv if argv is not None else sys.argv[2:])  # `agentgw plan ARGS`
+        outputs = {"--record", "--write", "--plot"}  # not part of the sweep
+        kept = [a for i, a in enumerate(given) if not {a.split("=")[0], given[i - 1] if i else ""} & outputs]
+        Path(args.record).write_text(json.dumps(record(s, kept, best, args.engines), indent=1) + "\n")
+        print(f"wrote {args.record}")
     print(f"wall {time.perf_counter() - t0:.1f}s")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="agentgw plan", description=__doc__.splitlines()[0])
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse(argv), argv)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ without a hand-written config. Containers use host networking and bind 127.0.0.1
 
 Layout (environment, defaults in brackets):
 
-- ``FIRST_TURN_ENGINES`` [1], ``WARM_ENGINES`` [2]: the engines, named ``first0..`` and
-  ``warm0..`` (``agentgw serve``'s default layout). Engine ``i`` (first-turn engines first) serves
-  the OpenAI API on ``ENGINE_PORT_BASE + i`` [8100], publishes KV events on ``+100``, and runs
-  engine_ext's control API on ``+200``.
+- ``ENGINES`` [3], ``FIRST_TURN_ENGINES`` [0]: the engines, named ``engine0 ..``; the first
+  ``FIRST_TURN_ENGINES`` form a first-turn pool and the rest a warm pool, or with none all of
+  them one pool (defaults: ``agentgw serve``'s layout, ``gateway.local.layout.DEFAULT``, what
+  ``agentgw plan`` recommends for 3 engines; ``WARM_ENGINES`` W, as ``agentgw serve --warm``,
+  means ``ENGINES`` = first-turn + W). Engine ``i`` serves the OpenAI API on
+  ``ENGINE_PORT_BASE + i`` [8100], publishes KV events on ``+100``, and runs engine_ext's control
+  API on ``+200``.
 - ``MODEL`` [tiny-llama]: a model folder under ``MODELS_DIR`` [/models]; ``SERVED_MODEL_NAME``
   [= MODEL]. ``BLOCK_SIZE`` [128], ``MAX_MODEL_LEN`` [32768], ``KV_CACHE_GIB`` [1] (CPU engines),
   ``HOST_TIER_BYTES`` [256 MiB] (engine_ext's host tier), ``ENGINE_ARGS`` (extra vLLM arguments).
@@ -38,10 +41,22 @@ import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.local.layout import LocalLayout
 
 HOST = "127.0.0.1"
 HEALTH_FILE = Path(tempfile.gettempdir()) / "agentgw-health"
 """Where a started service writes the URL its health check probes (http://... or redis://...)."""
+
+
+def _opt_int(name: str) -> int | None:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        raise SystemExit(f"launch: {name}={raw!r} is not an integer") from None
 
 
 def _int(name: str, default: int) -> int:
@@ -54,8 +69,9 @@ def _int(name: str, default: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    first_turn: int
-    warm: int
+    engines: int | None
+    first_turn: int | None
+    warm: int | None
     engine_port_base: int
     gateway_port: int
     mooncake_port: int
@@ -70,8 +86,9 @@ class Layout:
     def from_env(cls) -> Layout:
         model = os.environ.get("MODEL") or "tiny-llama"
         return cls(
-            first_turn=_int("FIRST_TURN_ENGINES", 1),
-            warm=_int("WARM_ENGINES", 2),
+            engines=_opt_int("ENGINES"),
+            first_turn=_opt_int("FIRST_TURN_ENGINES"),
+            warm=_opt_int("WARM_ENGINES"),
             engine_port_base=_int("ENGINE_PORT_BASE", 8100),
             gateway_port=_int("GATEWAY_PORT", 8000),
             mooncake_port=_int("MOONCAKE_PORT", 50051),
@@ -84,8 +101,18 @@ class Layout:
         )
 
     @property
+    def pools(self) -> LocalLayout:
+        """The engines and their pools, as ``agentgw serve`` lays them out (engine and gateway images)."""
+        from gateway.local.layout import LayoutError, resolve
+
+        try:
+            return resolve(self.engines, self.first_turn, self.warm)
+        except LayoutError as exc:
+            raise SystemExit(f"launch: ENGINES/FIRST_TURN_ENGINES/WARM_ENGINES: {exc}") from None
+
+    @property
     def engine_names(self) -> list[str]:
-        return [f"first{i}" for i in range(self.first_turn)] + [f"warm{i}" for i in range(self.warm)]
+        return self.pools.names
 
     @property
     def model_dir(self) -> Path:
@@ -126,25 +153,12 @@ class Layout:
                 "control_url": f"http://{HOST}:{self.control_port(name)}",
             }
 
-        names = self.engine_names
-        pools = []
-        if self.first_turn:
-            pools.append(
-                {
-                    "name": "first_turn",
-                    "role": "first_turn",
-                    "engines": [engine(n) for n in names[: self.first_turn]],
-                }
-            )
-        if self.warm:
-            pools.append(
-                {"name": "warm", "role": "warm", "engines": [engine(n) for n in names[self.first_turn :]]}
-            )
+        layout = self.pools
         from gateway.local.engines import HASH_SEED
 
-        return {
+        data: dict[str, object] = {
             "listen": {"host": HOST, "port": self.gateway_port},
-            "pools": pools,
+            "pools": layout.pools([engine(n) for n in layout.names]),
             "models": [
                 {
                     "name": self.served_model_name,
@@ -156,6 +170,9 @@ class Layout:
             "sessions": {"backend": "redis", "redis_url": f"redis://{HOST}:{self.redis_port}/0"},
             "migration": {"control_token": self.control_token},
         }
+        if layout.routing():  # the layout's split keys; AGENTGW_ROUTING__* still override them
+            data["routing"] = layout.routing()
+        return data
 
 
 def _announce(url: str) -> None:

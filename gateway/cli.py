@@ -8,10 +8,14 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
 from gateway.service.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from gateway.local.engines import LocalEngine
 
 
 def _serve_app(config: GatewayConfig, log_level: str) -> None:
@@ -45,8 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         help="use an existing engine instead of starting local ones (repeatable)",
     )
     serve.add_argument("--model", help="the model the --engine URLs serve (default: tiny-llama)")
-    serve.add_argument("--first-turn", type=int, default=1, help="local first-turn engines (default 1)")
-    serve.add_argument("--warm", type=int, default=2, help="local warm engines (default 2)")
+    serve.add_argument(
+        "--engines",
+        type=int,
+        metavar="N",
+        help=f"local engines to start (default {DEFAULT.engines}: the layout `agentgw plan` recommends)",
+    )
+    serve.add_argument(
+        "--first-turn",
+        type=int,
+        metavar="F",
+        help=f"of the local engines, how many form a first-turn pool, the rest a warm pool "
+        f"(default {DEFAULT.first_turn}{': one pool' if not DEFAULT.first_turn else ''})",
+    )
+    serve.add_argument(
+        "--warm", type=int, metavar="W", help="local warm engines: with --first-turn F, --engines F+W"
+    )
     _add_plan(sub)
     args = parser.parse_args(argv)
     if args.command == "plan":
@@ -75,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
     if config.pools:
+        if args.engines is not None or args.first_turn is not None or args.warm is not None:
+            print(
+                "agentgw: --engines/--first-turn/--warm start local engines: not with pools", file=sys.stderr
+            )
+            return 2
         # uvicorn re-raises the signal that stopped it once it has drained and shut down: here
         # that is a normal exit (0), not death by SIGTERM
         previous = signal.signal(signal.SIGTERM, _terminate)
@@ -85,7 +108,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
         return 0
-    return _serve_embedded(args, overrides)
+    try:
+        layout = resolve(args.engines, args.first_turn, args.warm)
+    except LayoutError as exc:
+        print(f"agentgw: {exc}", file=sys.stderr)
+        return 2
+    return _serve_embedded(args, layout, layout_routing(layout, config), overrides)
+
+
+def layout_routing(layout: LocalLayout, config: GatewayConfig) -> dict[str, Any]:
+    """``routing`` overrides for the local layout: its split and role-controller keys, except where
+    the config (file or environment) sets them itself."""
+    own = layout.routing()
+    if not own:
+        return {}
+    mine = config.routing.model_fields_set
+    routing = config.routing.model_dump()
+    routing.update({k: v for k, v in own.items() if k not in mine})
+    return {"routing": routing}
 
 
 def _plan_module() -> Any:
@@ -116,20 +156,19 @@ def _plan(args: argparse.Namespace) -> int:
     return int(_plan_module().run(args))
 
 
-def _serve_embedded(args: argparse.Namespace, overrides: dict[str, object]) -> int:
+def _serve_embedded(
+    args: argparse.Namespace, layout: LocalLayout, routing: dict[str, Any], overrides: dict[str, object]
+) -> int:
     """No pools configured: start local engines on the tiny model and front them."""
     from gateway.local.embedded import start_local_engines, stop_all
     from gateway.local.engines import EngineError
 
     previous = signal.signal(signal.SIGTERM, _terminate)
-    engines: list = []
+    engines: list[LocalEngine] = []
     try:
-        print(
-            f"agentgw: starting {args.first_turn} first-turn + {args.warm} warm local vLLM engines...",
-            file=sys.stderr,
-        )
-        engines, data = start_local_engines(first_turn=args.first_turn, warm=args.warm)
-        config = load_config(args.config, **data, **overrides)
+        print(f"agentgw: starting {layout.engines} local vLLM engines ({layout.label})...", file=sys.stderr)
+        engines, data = start_local_engines(layout)
+        config = load_config(args.config, **data, **routing, **overrides)
         print(
             f"agentgw: engines ready; gateway on http://{config.listen.host}:{config.listen.port}",
             file=sys.stderr,

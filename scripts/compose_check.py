@@ -5,11 +5,18 @@
 ready, then check through the gateway, raising :class:`CheckFailed` at the first miss:
 
 1. an OpenAI SDK chat completes;
-2. a 5-turn hinted session (``agent_hints.session_id``) stays on one warm engine, and from turn 2
-   vLLM reports cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) that the
-   engine's own ``vllm:prefix_cache_hits_total`` counter accounts for;
+2. a 5-turn hinted session (``agent_hints.session_id``) stays on one engine (a warm one when the
+   layout has a first-turn pool), and from turn 2 vLLM reports cached prompt tokens
+   (``usage.prompt_tokens_details.cached_tokens``) that the engine's own
+   ``vllm:prefix_cache_hits_total`` counter accounts for;
 3. with that engine's container killed (``docker kill``), the session's next turn and a new chat
-   are served by another engine and ``/ready`` still answers 200.
+   are served by another engine and ``/ready`` still answers 200;
+4. the killed container started again (``docker start``, unless its restart policy already did),
+   the gateway sees the engine healthy again and routes new sessions to it, which it serves
+   (its own ``vllm:request_success_total`` grows).
+
+The engines are those of ``agentgw serve``'s default layout (``gateway.local.layout``), as
+docker-compose.yml runs them (``AGENTGW_FIRST_TURN_ENGINES`` splits them as in the file).
 
 Needs the ``openai`` and ``httpx`` packages (the project's dev extra) and the docker CLI.
 """
@@ -29,12 +36,20 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
+from gateway.local.layout import resolve
+
 HOST = "127.0.0.1"
 MODEL = "tiny-llama"
-ENGINES = ("first0", "warm0", "warm1")
+LAYOUT = resolve(
+    first_turn=int(os.environ["AGENTGW_FIRST_TURN_ENGINES"])
+    if os.environ.get("AGENTGW_FIRST_TURN_ENGINES")
+    else None
+)
+ENGINES = tuple(LAYOUT.names)
 BLOCK = 128  # vLLM CPU block size: cached tokens come in whole blocks
 READY_TIMEOUT_S = float(os.environ.get("COMPOSE_CHECK_READY_TIMEOUT_S", "900"))
 _HITS = re.compile(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
+_SUCCESS = re.compile(r"^vllm:request_success_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
 
 
 class CheckFailed(AssertionError):
@@ -115,15 +130,43 @@ class Stack:
         expect(len(found) == 1, f"{name}: one vllm:prefix_cache_hits_total sample expected, got {found}")
         return float(found[0])
 
-    def kill(self, service: str) -> None:
+    def served(self, name: str) -> float:
+        """The engine's own count of finished requests (every finish reason)."""
+        return sum(float(v) for v in _SUCCESS.findall(self.http.get(f"{self.engine_url(name)}/metrics").text))
+
+    def container(self, service: str) -> str:
         ids = subprocess.run(
-            ["docker-compose", "--profile", "cpu", "ps", "-q", service],
+            ["docker-compose", "--profile", "cpu", "ps", "-a", "-q", service],
             check=True,
             capture_output=True,
             text=True,
         ).stdout.split()
         expect(len(ids) == 1, f"one container for {service} expected, got {ids}")
-        subprocess.run(["docker", "kill", ids[0]], check=True, capture_output=True)
+        return ids[0]
+
+    def kill(self, service: str) -> None:
+        subprocess.run(["docker", "kill", self.container(service)], check=True, capture_output=True)
+
+    def start(self, service: str) -> str:
+        """Start the service's container again unless its restart policy did; says which."""
+        cid = self.container(service)
+        state = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Status}}", cid], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        if state in ("running", "restarting"):
+            return f"restarted by its policy ({state})"
+        subprocess.run(["docker", "start", cid], check=True, capture_output=True)
+        return f"docker start (was {state})"
+
+    def wait_engine(self, name: str, healthy: bool) -> None:
+        """Until the gateway's probe sees ``name`` healthy (or not)."""
+        want = f'agentgw_engine_healthy{{engine="{name}"}} {1.0 if healthy else 0.0}'
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if want in self.http.get(f"{self.gateway}/metrics").text:
+                return
+            time.sleep(1)
+        raise CheckFailed(f"the gateway does not see {name} {'healthy' if healthy else 'down'}")
 
 
 # ---- the checks ----
@@ -183,7 +226,8 @@ def check(stack: Stack) -> None:
         history.append({"role": "assistant", "content": completion.choices[0].message.content or "ok"})
     home = engines[0]
     print(f"compose_check: session turns on {engines}, cached prompt tokens {cached}", flush=True)
-    expect(home.startswith("warm"), f"a short first turn goes to the warm pool, went to {home}")
+    if LAYOUT.first_turn:
+        expect(LAYOUT.role(home) == "warm", f"a short first turn goes to the warm pool, went to {home}")
     expect(set(engines) == {home}, f"every turn of the session on one engine (sticky), got {engines}")
     expect(all(c >= BLOCK for c in cached[1:]), f"prefix-cache hits from turn 2, got {cached}")
     delta = stack.prefix_hits(home) - hits_before[home]
@@ -206,8 +250,36 @@ def check(stack: Stack) -> None:
     expect(headers["x-agentgw-engine"] != home, f"a new chat avoids the killed {home}")
     expect(stack.http.get(f"{stack.gateway}/ready").status_code == 200, "/ready after the kill")
     print(
-        f"compose_check: {home} killed; session continued on {after}, new chat on {headers['x-agentgw-engine']}"
+        f"compose_check: {home} killed; session continued on {after}, new chat on {headers['x-agentgw-engine']}",
+        flush=True,
     )
+
+    t1 = time.monotonic()
+    how = stack.start(home)
+    stack.wait_engine(home, healthy=True)
+    print(
+        f"compose_check: {home} back ({how}), healthy in the gateway after {time.monotonic() - t1:.0f} s",
+        flush=True,
+    )
+    served_before = stack.served(home)
+    landed: list[str] = []
+    for i in range(2 * len(ENGINES)):  # new sessions spread over the engines: one reaches the idle one
+        completion, headers = chat(
+            client,
+            [
+                {"role": "system", "content": system_prompt(rng)},
+                {"role": "user", "content": f"New task {i}."},
+            ],
+            extra_body={"agent_hints": {"session_id": f"{session}-after-{i}", "turn_index": 0}},
+        )
+        landed.append(headers["x-agentgw-engine"])
+        if landed[-1] == home:
+            break
+    expect(landed[-1] == home, f"no new session reached the restarted {home}: {landed}")
+    grew = stack.served(home) - served_before
+    expect(grew >= 1, f"{home}'s vllm:request_success_total grew {grew} after serving a session")
+    expect(stack.http.get(f"{stack.gateway}/ready").status_code == 200, "/ready after the restart")
+    print(f"compose_check: {home} serves again (new sessions on {landed}, its requests +{grew:.0f})")
 
 
 def main(argv: list[str]) -> int:

@@ -1,9 +1,10 @@
 """The embedded default: a tiny local model, local vLLM engines, and a config that fronts them.
 
-``agentgw serve`` with no config builds the tiny model if it is missing, starts ``first_turn``
-+ ``warm`` local engines (prefix caching, ``--enforce-eager``, KV events on ZMQ, a small KV
-cache), waits until they are healthy and returns the gateway config for them. The caller stops
-the engines on exit (:func:`stop_all`).
+``agentgw serve`` with no config builds the tiny model if it is missing, starts the engines of a
+:class:`~gateway.local.layout.LocalLayout` (default: :data:`~gateway.local.layout.DEFAULT`, what
+``agentgw plan`` recommends for 3 engines; prefix caching, ``--enforce-eager``, KV events on ZMQ,
+a small KV cache), waits until they are healthy and returns the gateway config for them (its
+pools as the layout says). The caller stops the engines on exit (:func:`stop_all`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.layout import DEFAULT, LocalLayout
 from gateway.local.tiny_model import build_tiny_model
 
 DEFAULT_HOME = Path(os.environ.get("AGENTGW_HOME", Path.home() / ".cache" / "agentgw"))
@@ -20,8 +22,7 @@ SERVED_NAMES = {"llama": "tiny-llama", "gemma3": "tiny-gemma3", "qwen3_next": "t
 
 
 def start_local_engines(
-    first_turn: int = 1,
-    warm: int = 2,
+    layout: LocalLayout = DEFAULT,
     arch: str = "llama",
     home: Path = DEFAULT_HOME,
     kv_cache_gib: int = 1,
@@ -31,14 +32,11 @@ def start_local_engines(
 ) -> tuple[list[LocalEngine], dict[str, Any]]:
     """Start the engines; return them and the gateway config (as a dict) that fronts them."""
     model_dir = build_tiny_model(home / "models" / SERVED_NAMES[arch], arch)
-    n = first_turn + warm
-    ports = free_ports(2 * n)
+    ports = free_ports(2 * layout.engines)
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     specs = []
-    for i in range(n):
-        role = "first" if i < first_turn else "warm"
-        name = f"{role}{i if i < first_turn else i - first_turn}"
+    for i, name in enumerate(layout.names):
         specs.append(
             EngineSpec(
                 name=name,
@@ -53,20 +51,16 @@ def start_local_engines(
             )
         )
     engines = start_engines(specs, timeout_s=timeout_s)
-    return engines, config_for(specs, model_dir, first_turn)
+    return engines, config_for(specs, model_dir, layout)
 
 
-def config_for(specs: list[EngineSpec], model_dir: Path, first_turn: int) -> dict[str, Any]:
+def config_for(specs: list[EngineSpec], model_dir: Path, layout: LocalLayout) -> dict[str, Any]:
+    """``pools`` and ``models`` for the engines of ``specs`` (one per layout engine, in order)."""
+
     def engine(s: EngineSpec) -> dict[str, Any]:
         return {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
 
-    pools = []
-    if first_turn:
-        pools.append(
-            {"name": "first_turn", "role": "first_turn", "engines": [engine(s) for s in specs[:first_turn]]}
-        )
-    if specs[first_turn:]:
-        pools.append({"name": "warm", "role": "warm", "engines": [engine(s) for s in specs[first_turn:]]})
+    pools = layout.pools([engine(s) for s in specs])
     model = {
         "name": specs[0].served_model_name,
         "tokenizer": str(model_dir),
