@@ -65,6 +65,8 @@ class EngineState:
         self.num_unknown_paths = 0
         self.num_connections = 0
         self.num_streams_cut = 0  # paced streams whose client left before the last chunk
+        self.hold: asyncio.Event | None = None
+        """``--hold``: streams send their headers, then wait for ``POST /release``."""
         self._stream_events: dict[tuple[bool, int], list[bytes]] = {}
         self._framed: dict[tuple[bool, int], bytes] = {}
         self.models_body = orjson.dumps(
@@ -285,6 +287,9 @@ class FakeEngineProtocol(asyncio.Protocol):
             self._generate(body, chat=True)
         elif method == b"POST" and path == b"/v1/completions":
             self._generate(body, chat=False)
+        elif method == b"POST" and path == b"/release" and self.state.hold is not None:
+            self.state.hold.set()  # every held stream goes on, and later ones are not held
+            self._reply(200, b"{}")
         elif method == b"GET" and path == b"/health":
             self._reply(200, b"", content_type=b"text/plain")
         elif method == b"GET" and path == b"/v1/models":
@@ -332,7 +337,7 @@ class FakeEngineProtocol(asyncio.Protocol):
         if isinstance(opts, dict) and opts.get("include_usage"):
             usage = state.usage_event(chat, rid, prompt_tokens, n)
         head = self._head(200, b"text/event-stream", None)
-        if state.ttft_s <= 0 and state.itl_s <= 0:
+        if state.ttft_s <= 0 and state.itl_s <= 0 and state.hold is None:
             framed = state.framed_stream(chat, n).replace(_ID_SLOT, rid)
             tail = _DONE_CHUNK if usage is None else _chunk(usage) + _DONE_CHUNK
             self._write(head + framed + tail)
@@ -362,6 +367,8 @@ class FakeEngineProtocol(asyncio.Protocol):
         state.num_running += 1
         try:
             self._write(head, end=False)
+            if state.hold is not None:
+                await state.hold.wait()
             await asyncio.sleep(state.ttft_s)
             for i, ev in enumerate(events):
                 if i and state.itl_s > 0:
@@ -431,10 +438,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16, help="SSE token chunks per stream")
     ap.add_argument("--ttft-ms", type=float, default=0.0, help="delay before the first token chunk")
     ap.add_argument("--itl-ms", type=float, default=0.0, help="delay between token chunks")
+    ap.add_argument(
+        "--hold", action="store_true", help="streams wait after their headers until POST /release"
+    )
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error("--tokens must be >= 1")
     state = EngineState(args.model, args.tokens, args.ttft_ms / 1000, args.itl_ms / 1000)
+    if args.hold:
+        state.hold = asyncio.Event()
 
     def started(server: asyncio.Server) -> None:
         print(f"fake engine {args.model!r} listening on http://{args.host}:{args.port}", flush=True)

@@ -264,6 +264,9 @@ class AdmissionConfig(_Strict):
     """Requests waiting for a slot on one engine; past it a 503 with ``Retry-After``."""
     retry_after_s: int = Field(1, ge=0)
     """``Retry-After`` of an admission 503 (rate-limit 429s say when the bucket refills)."""
+    starts_per_tick: int = Field(32, gt=0)
+    """Requests that may start their analysis in one event-loop iteration; a burst beyond it
+    waits for the next iterations, so timers (upstream connect, probes) are not starved."""
 
 
 class ServerConfig(_Strict):

@@ -180,6 +180,7 @@ class GenerationEndpoint:
         try:
             tenant = svc.tenants.authenticate(scope["headers"])
             raw = await read_body(receive, svc.config.limits.max_body_bytes)
+            await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
             parsed = wire.parse(raw)
             plan = await svc.plan(parsed, raw, scope["headers"], tenant)
         except ConnectionAbortedError:

@@ -17,6 +17,12 @@ Order of checks in :meth:`Admission.admit` (nothing is consumed unless all pass)
 (seconds until the bucket refills for rate limits, ``admission.retry_after_s`` otherwise).
 Buckets are refilled lazily from the clock passed in; the tables are bounded by the number of
 configured tenants and engines.
+
+:class:`Turnstile` (``admission.starts_per_tick``) spreads a burst of arrivals over event-loop
+iterations before any of them parses its body: 2,000 requests arriving at once would otherwise
+each run their synchronous analysis in the same iteration (~1 ms each, seconds in all), and every
+timer due meanwhile (the upstream connect timeout above all) would fire before the I/O it guards
+was looked at: engines ejected for the gateway's own lag, 503s to everyone.
 """
 
 from __future__ import annotations
@@ -95,6 +101,62 @@ class Slots:
         self.used -= 1
 
 
+class Turnstile:
+    """Lets at most ``per_tick`` callers of :meth:`enter` through per event-loop iteration; the
+    others wait, FIFO, for the next iterations. Nothing is held after ``enter`` returns, so a
+    request waiting on an analysis worker or an engine blocks nobody. Costs nothing while fewer
+    than ``per_tick`` arrive in one iteration."""
+
+    def __init__(self, per_tick: int) -> None:
+        self.per_tick = per_tick
+        self.passed = 0
+        """Callers let through in the current iteration."""
+        self.deferred = 0
+        """Callers that had to wait for a later iteration (a counter, for tests and metrics)."""
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tick_armed = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def enter(self) -> None:
+        if self.passed < self.per_tick and not self._waiters:
+            self.passed += 1
+            self._arm()
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self.deferred += 1
+        self._arm()
+        try:
+            await fut
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(fut)
+            raise
+
+    def _arm(self) -> None:
+        """Reset the count at the start of the next iteration (a ``call_soon`` runs then)."""
+        if not self._tick_armed:
+            self._tick_armed = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self._tick_armed = False
+        self.passed = 0
+        # the ones woken now run in the following iteration: count them against it
+        while self._waiters and self.passed < self.per_tick:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                self.passed += 1
+        if self._waiters or self.passed:
+            self._arm()
+
+
 @dataclass(slots=True)
 class Bucket:
     """A token bucket: ``rate`` per second up to ``capacity``; may go into debt."""
@@ -152,6 +214,7 @@ class Admission:
         self.clock = clock
         self.metrics = metrics
         self.global_slots = Slots(config.max_inflight, config.max_queue)
+        self.turnstile = Turnstile(config.starts_per_tick)
         self.engines: dict[str, Slots] = {}
         self.tenants: dict[str, _TenantState] = {}
         self.stats = AdmissionStats()

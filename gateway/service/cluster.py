@@ -38,6 +38,7 @@ import httpx
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.core.load import InflightLoad, Ticket, merge
 from gateway.core.types import EngineView, PoolRole
+from gateway.service.loop_lag import LoopLag
 
 log = logging.getLogger("agentgw.cluster")
 
@@ -138,6 +139,8 @@ class Cluster:
                 )
         self.pools: dict[str, list[str]] = {p.name: [e.name for e in p.engines] for p in config.pools}
         self._tasks: list[asyncio.Task[None]] = []
+        self.loop_lag = LoopLag()
+        """The event loop's lag: a timeout it explains is not held against an engine."""
         self._views: tuple[EngineView, ...] | None = None
         self.load = InflightLoad(self.engines)
         self.on_eject: list[Callable[[str], None]] = []
@@ -225,9 +228,24 @@ class Cluster:
                 self._changed()
                 self._ejected(name)
 
-    def record_connect_failure(self, name: str) -> None:
-        """Passive health: a refused connection ejects at once (no need to wait for probes)."""
+    def record_connect_failure(self, name: str, timeout_s: float | None = None) -> bool:
+        """Passive health: a refused or reset connection ejects at once (no need to wait for
+        probes). A timeout (``timeout_s``: the limit that ran out, on the connect or the response
+        headers) is weaker evidence: it counts as one failure towards ``eject_after_failures``,
+        and none at all when the event loop's own lag explains it (a saturated gateway, not a
+        slow engine). Returns whether the lag excused it."""
         s = self.engines[name]
+        if timeout_s is not None:
+            if self.loop_lag.excuses(timeout_s):
+                return True
+            s.successes = 0
+            s.failures += 1
+            if s.healthy and s.failures >= self._config.limits.eject_after_failures:
+                s.healthy = False
+                log.warning("engine %s ejected after %d timeouts", name, s.failures)
+                self._changed()
+                self._ejected(name)
+            return False
         s.successes = 0
         s.refused = True
         self._changed()
@@ -237,6 +255,7 @@ class Cluster:
             log.warning("engine %s ejected after a connection failure", name)
             self._changed()
             self._ejected(name)
+        return False
 
     def _ejected(self, name: str) -> None:
         for callback in self.on_eject:
@@ -254,6 +273,10 @@ class Cluster:
             ok, refused = r.status_code == 200, False
         except httpx.ConnectError:
             ok, refused = False, True
+        except httpx.TimeoutException:
+            if self.loop_lag.excuses(self._config.timeouts.health_timeout_s):
+                return  # the probe waited on the gateway's own loop: no verdict on the engine
+            ok, refused = False, False
         except httpx.HTTPError:
             ok, refused = False, False
         self.record_probe(s.name, ok, refused)
@@ -318,6 +341,7 @@ class Cluster:
 
     def start(self) -> None:
         t = self._config.timeouts
+        self.loop_lag.start()
         self._tasks = [
             asyncio.create_task(self._loop("probe_once", t.health_interval_s), name="health"),
             asyncio.create_task(self._loop("scrape_once", t.metrics_interval_s), name="metrics"),
@@ -328,6 +352,7 @@ class Cluster:
             )
 
     async def stop(self) -> None:
+        await self.loop_lag.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

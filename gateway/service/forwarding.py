@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
@@ -169,13 +169,15 @@ class Forwarder:
         tries = [decision.engine, *[f for f in decision.fallbacks if self.cluster.routable(f)][:1]]
         hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
         last: BaseException | None = None
+        lag_retries = 0
         for i, name in enumerate(tries):
             state = self.cluster.engines[name]
             if i > 0 and not self.cluster.routable(name):
                 continue
             self.cluster.begin(name)
             # a fallback engine's prefix match is not known: its whole prompt counts
-            uncached = decision.uncached_tokens + (decision.cached_tokens if i > 0 else 0)
+            fallback = name != decision.engine
+            uncached = decision.uncached_tokens + (decision.cached_tokens if fallback else 0)
             ticket = self.cluster.sent(name, uncached)
             try:
                 async with asyncio.timeout(t.first_byte_s):
@@ -185,10 +187,18 @@ class Forwarder:
             except CONNECT_ERRORS as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
-                self.cluster.record_connect_failure(name)
+                # a timeout may be the gateway's own lag; a refusal or a reset is the engine's
+                excused = self.cluster.record_connect_failure(name, _timeout_s(exc, t))
+                last = exc
+                if excused and isinstance(exc, aiohttp.ConnectionTimeoutError):
+                    # nothing was sent: the same engine again, once the loop catches up
+                    self.metrics.upstream_errors.labels(name, "connect_lag").inc()
+                    if lag_retries < LAG_RETRIES:
+                        lag_retries += 1
+                        tries.insert(i + 1, name)
+                    continue
                 self.metrics.upstream_errors.labels(name, "connect").inc()
                 log.warning("connect to %s failed: %r", name, exc)
-                last = exc
                 continue
             except aiohttp.ClientError as exc:
                 self.cluster.finished(ticket)
@@ -199,7 +209,7 @@ class Forwarder:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)  # cancelled (the client left) while connecting
                 raise
-            return Relay(name, state.pool, response, retried=i > 0, cluster=self.cluster, ticket=ticket)
+            return Relay(name, state.pool, response, retried=fallback, cluster=self.cluster, ticket=ticket)
         raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)
 
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
@@ -222,3 +232,16 @@ class Forwarder:
             ) from None
         finally:
             self.cluster.end(engine)
+
+
+LAG_RETRIES = 3
+"""Connects retried on the same engine per request when the event loop's lag timed them out."""
+
+
+def _timeout_s(exc: BaseException, t: TimeoutsConfig) -> float | None:
+    """The limit a connect-phase timeout ran out of; None for a refusal or a reset."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return t.connect_s
+    if isinstance(exc, TimeoutError):
+        return t.first_byte_s
+    return None

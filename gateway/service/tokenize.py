@@ -11,7 +11,9 @@ fixed-size chunks instead of messages). Every cached entry (rendered text, token
 ``array``, special-token boundaries, raw block hashes) is findable under each of its keys, so a
 request whose first ``i`` messages equal a cached entry's (the next turn of a session, another
 session with the same system prompt and tools, a turn that was served by another replica) starts
-from that entry. Only the longest common *text* prefix is trusted, and only up to the last
+from that entry; a request whose whole chain ends at an entry's last key is that entry's prompt
+and is answered from it without rendering (unless the template reads the date). Otherwise only
+the longest common *text* prefix is trusted, and only up to the last
 special token lying wholly inside it: special tokens are split out before BPE runs, so the text
 after one tokenizes independently of what precedes it (checked on a probe at start-up). Only new
 full blocks are hashed. Entries are immutable once stored (a new request builds new arrays), so
@@ -167,6 +169,9 @@ class ChatTokenizer:
             if isinstance(v, str):
                 special[k] = v
         self.renderer = ChatRenderer(template, special)
+        self.render_is_pure = "strftime_now" not in template
+        """The render depends on the conversation and its kwargs only (no date in the template),
+        so a request whose whole key chain equals a cached entry's reuses it without rendering."""
         self._special_ids = frozenset(
             i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special
         )
@@ -184,6 +189,8 @@ class ChatTokenizer:
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self.exact_hits = 0
+        """Requests answered from an entry with their whole key chain (no render, no encode)."""
         self.incremental = self._splits_at_special_tokens()
         """Whether text after a special token encodes independently of the text before it (true of
         byte-level BPE; checked on a probe at start-up, else every prompt is encoded whole)."""
@@ -219,6 +226,9 @@ class ChatTokenizer:
                 + _dumps([rest, salt], "chat_template_kwargs")
             )
             keys = _chain(root, (_h(_dumps(m, f"messages[{i}]")) for i, m in enumerate(conv)))
+            hit = self._exact(keys[-1]) if self.render_is_pure else None
+            if hit is not None:
+                return hit
             text = r.render_conversation(conv, kwargs)
             return self._from_text(text, keys, salt, ())
         prompt = body["prompt"]
@@ -237,7 +247,20 @@ class ChatTokenizer:
         chunks = (
             _h(prompt[i : i + step].encode("utf-8", "surrogatepass")) for i in range(0, len(prompt), step)
         )
-        return self._from_text(prompt, _chain(root, chunks), salt, self._prompt_prefix)
+        keys = _chain(root, chunks)
+        return self._exact(keys[-1]) or self._from_text(prompt, keys, salt, self._prompt_prefix)
+
+    def _exact(self, key: bytes) -> PromptInfo | None:
+        """The cached answer of a request whose whole key chain ends in ``key`` (the same
+        conversation, tools, template kwargs and salt as a cached entry: the same prompt text),
+        without rendering, comparing or encoding; None when no entry ends there."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or e.keys[-1] != key:
+                return None
+            self._entries.move_to_end(id(e))
+        self.exact_hits += 1
+        return PromptInfo(len(e.tokens), list(e.hashes), 0, e.tokens)
 
     def _lookup(self, keys: list[bytes]) -> _Entry | None:
         with self._lock:

@@ -60,3 +60,20 @@ def test_non_streamed_completion_is_one_json_body(engine_url: str) -> None:
         wrong = client.post(engine_url + "/v1/completions", json={"model": "other", "prompt": "hi"})
         assert wrong.status_code == 404
         assert wrong.json()["error"]["param"] == "model"
+
+
+def test_hold_keeps_streams_until_release() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with fake_engine("--model", "m", "--hold") as url, httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200  # the headers came; the tokens wait
+            metrics = c.get(url + "/metrics").text
+            assert "vllm:num_requests_running" in metrics
+            running = next(x for x in metrics.splitlines() if x.startswith("vllm:num_requests_running{"))
+            assert float(running.rsplit(" ", 1)[1]) == 1
+            assert c.post(url + "/release").status_code == 200
+            events = _events(r.read().decode())
+        assert events[-1] == "[DONE]" and len(events) > 1
+        # released: later streams are not held
+        after = c.post(url + "/v1/chat/completions", json=body)
+        assert _events(after.text)[-1] == "[DONE]"

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from gateway.config import AdmissionConfig
-from gateway.service.admission import Admission, AdmissionRejected
+from gateway.service.admission import Admission, AdmissionRejected, Turnstile
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
 
@@ -195,3 +195,35 @@ async def test_many_clients_never_exceed_the_limits() -> None:
     assert peak["global"] <= 3 and peak["tenant"] <= 8
     assert outcomes.count("ok") >= 3 and set(outcomes) <= {"ok", "tenant_concurrency"}
     assert len(outcomes) == 50 and (adm.inflight, adm.waiting, adm.tenant_inflight(t)) == (0, 0, 0)
+
+
+async def test_turnstile_lets_per_tick_through_each_loop_iteration() -> None:
+    gate = Turnstile(per_tick=4)
+    iteration = 0
+    stop = False
+
+    def count() -> None:  # one call per loop iteration
+        nonlocal iteration
+        iteration += 1
+        if not stop:
+            asyncio.get_running_loop().call_soon(count)
+
+    asyncio.get_running_loop().call_soon(count)
+    await asyncio.sleep(0)
+    passed_at: list[int] = []
+
+    async def one() -> None:
+        await gate.enter()
+        passed_at.append(iteration)
+
+    await asyncio.gather(*(one() for _ in range(10)))
+    stop = True
+    assert gate.deferred == 6 and gate.waiting == 0
+    per_iteration = [passed_at.count(i) for i in sorted(set(passed_at))]
+    assert per_iteration == [4, 4, 2]  # never more than per_tick in one iteration
+    # a cancelled waiter leaves no trace; a caller alone passes at once
+    waiting = [asyncio.create_task(gate.enter()) for _ in range(6)]
+    await asyncio.sleep(0)
+    waiting[-1].cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert gate.waiting == 0

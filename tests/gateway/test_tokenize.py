@@ -4,7 +4,9 @@ normalisation (tools, tool calls, content formats) and 400s for what vLLM refuse
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -327,3 +329,66 @@ def test_tools_nested_1000_deep_through_the_gateway_are_a_json_400_naming_tools(
     assert r.headers["content-type"] == "application/json"
     assert r.json()["error"]["param"] == "tools"
     assert ok.status_code == 200
+
+
+def test_a_repeated_request_is_answered_from_the_cache_without_rendering(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The whole-conversation hit (the 647 KB body sent again, a retried turn): no render, no
+    encode, the same token ids and hashes as a full render; any change to the conversation, the
+    tools or the template kwargs misses it."""
+    tok = ChatTokenizer(tiny_llama, 128, "0")
+    ref = AutoTokenizer.from_pretrained(str(tiny_llama))
+    renders = 0
+    render = tok.renderer.render_conversation
+
+    def counted(*a: Any, **kw: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*a, **kw)
+
+    tok.renderer.render_conversation = counted  # type: ignore[method-assign]
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list the files " * 200}]
+    body = {"messages": msgs, "tools": TOOLS}
+    first = tok.prompt_info("chat", body)
+    again = tok.prompt_info("chat", {"messages": [dict(m) for m in msgs], "tools": TOOLS})
+    assert (renders, tok.exact_hits, again.encoded_tokens) == (1, 1, 0)
+    ids = scratch_ids(ref, msgs, tools=TOOLS)
+    assert list(again.tokens) == list(first.tokens) == ids
+    assert again.hashes == first.hashes == hash_tokens(ids, 128, "0")
+    # not the same prompt: rendered (and still exact)
+    for other, kw in (
+        (
+            {"messages": msgs, "tools": TOOLS, "add_generation_prompt": False},
+            {"add_generation_prompt": False},
+        ),
+        ({"messages": msgs}, {}),
+        ({"messages": msgs[:1], "tools": TOOLS}, {}),
+    ):
+        info = tok.prompt_info("chat", other)
+        expect = ref.apply_chat_template(
+            other["messages"],
+            tokenize=False,
+            **{"add_generation_prompt": True, **kw},
+            tools=other.get("tools"),
+        )
+        assert list(info.tokens) == list(ref.encode(expect, add_special_tokens=False))
+    assert (renders, tok.exact_hits) == (4, 1)
+    # a completions prompt sent twice: the second from the cache
+    p = tok.prompt_info("completions", {"prompt": SYSTEM})
+    q = tok.prompt_info("completions", {"prompt": SYSTEM})
+    assert (q.encoded_tokens, tok.exact_hits, list(q.tokens)) == (0, 2, list(p.tokens))
+    # a template that reads the date renders every time
+    dated = tmp_path / "dated"
+    shutil.copytree(tiny_llama, dated)
+    cfg = json.loads((dated / "tokenizer_config.json").read_text())
+    tfile = dated / "chat_template.jinja"
+    if isinstance(cfg.get("chat_template"), str):
+        cfg["chat_template"] = "{{- strftime_now('%Y') -}}" + cfg["chat_template"]
+        (dated / "tokenizer_config.json").write_text(json.dumps(cfg))
+    else:
+        tfile.write_text("{{- strftime_now('%Y') -}}" + tfile.read_text())
+    tok2 = ChatTokenizer(dated, 128, "0")
+    assert not tok2.render_is_pure
+    tok2.prompt_info("chat", body)
+    assert tok2.prompt_info("chat", body).encoded_tokens > 0 and tok2.exact_hits == 0

@@ -144,3 +144,34 @@ async def test_mid_sized_prompts_use_the_thread_lane(tiny_llama: Path) -> None:
         assert an.tokenizers["m"].cached_entries == 1
     finally:
         await an.aclose()
+
+
+async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: Path) -> None:
+    """Bodies of 64 KiB to 1 MiB are written into the worker's shared-memory arena (the pipe
+    carries their place); more in flight than the arena has slots, or a larger body, go through
+    the pipe; every answer equals the tokenizer's and every slot comes back."""
+    from gateway.service import analysis
+
+    cfg = AnalysisConfig(mode="process", thread_chars=0, workers=1, small_workers=1, budget_ms=600_000)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    ref = ChatTokenizer(tiny_llama, 128, "0")
+    try:
+        await an.wait_ready()
+        bodies = [body(f"request {i} " + "word " * 14_000) for i in range(analysis.ARENA_SLOTS + 4)]
+        bodies.append(body("huge " + "word " * 230_000))  # > 1 MiB: the pipe
+        raws = [orjson.dumps(b) for b in bodies]
+        assert all(analysis.ARENA_MIN_BYTES <= len(r) <= analysis.ARENA_SLOT_BYTES for r in raws[:-1])
+        assert len(raws[-1]) > analysis.ARENA_SLOT_BYTES
+        infos = await asyncio.gather(
+            *(an.analyze("m", "chat", b, raw=r, tokens=True) for b, r in zip(bodies, raws, strict=True))
+        )
+        for b, info in zip(bodies, infos, strict=True):
+            want = ref.prompt_info("chat", b)
+            assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
+        arenas = [a for lane in an.lanes.values() for a in lane.arenas if a._shm is not None]
+        assert len(arenas) == 1  # the lane these bodies went to made its arena; nobody else did
+        assert sorted(arenas[0]._free) == list(range(analysis.ARENA_SLOTS))  # every slot back
+        name = arenas[0]._shm.name if arenas[0]._shm else ""
+    finally:
+        await an.aclose()
+    assert not Path("/dev/shm", name.lstrip("/")).exists()  # unlinked on close
