@@ -186,8 +186,10 @@ def test_the_service_ticks_the_role_controller_from_the_backlog() -> None:
         "role_backlog_tokens_per_engine": 100,
         "role_min_dwell_s": 0.0,
     }
+    # the engines hold every stream after its headers until POST /release: the prefill is
+    # pending for as long as the test needs, however slowly a loaded machine runs the controller
     with (
-        _engines("--tokens", "2", "--ttft-ms", "4000", "--itl-ms", "100") as urls,
+        _engines("--tokens", "2", "--hold") as urls,
         ServedGateway(_config(urls, **routing)) as gw,
     ):
         wait_ready(gw.url)
@@ -197,10 +199,12 @@ def test_the_service_ticks_the_role_controller_from_the_backlog() -> None:
         def first_turn() -> int:
             return sum(v.role == PoolRole.FIRST_TURN for v in _views(gw).values())
 
-        assert first_turn() == 1
+        assert first_turn() <= 1  # no backlog: the configured one, or none once handed back
         s = _Stream(gw.url, _body("c"))
         _until(lambda: first_turn() == 2, "a second first-turn engine while the prefill waits")
         assert not s.first.is_set()
+        for u in urls:
+            assert httpx.post(u + "/release", timeout=10).status_code == 200
         s.join()
         _until(lambda: first_turn() <= 1, "first-turn engines handed back once the backlog is gone")
         assert driver.changes >= 2
