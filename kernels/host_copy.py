@@ -136,7 +136,7 @@ _compiled: dict[str, Any] = {}  # "nt"/"cached" -> ctypes function; "engine" kee
 
 
 def _compile() -> None:
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # type: ignore[import-untyped]
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -215,6 +215,11 @@ def move_rows(
     )
 
 
+def _row_offsets(rows: torch.Tensor, num_ids: int, row_bytes: int) -> torch.Tensor:
+    """Byte offset of each staging row in its storage."""
+    return torch.arange(num_ids, dtype=torch.int64).mul_(row_bytes).add_(int(rows.storage_offset()))
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -238,13 +243,13 @@ def gather_blocks(
     num_ids = block_ids.numel()
     row_bytes = block_nbytes(kv_caches, block_dim)
     rows = staging_rows(out, num_ids, row_bytes)
-    rows_at = rows.storage_offset() + torch.arange(num_ids, dtype=torch.int64) * row_bytes
+    rows_at = _row_offsets(rows, num_ids, row_bytes)
     offset = 0
     for cache in kv_caches:
         nbytes = layer_block_nbytes(cache, block_dim)
         src_off, src_stride = _byte_rows(cache, block_dim)  # type: ignore[misc]
         ids = _checked_ids(block_ids, cache.shape[block_dim], "block_ids")
-        move_rows(rows, rows_at + offset, cache, ids * src_stride + src_off, nbytes)
+        move_rows(rows, rows_at.add(offset), cache, ids * src_stride + src_off, nbytes)
         offset += nbytes
     return out
 
@@ -260,13 +265,13 @@ def scatter_blocks(
     num_ids = block_ids.numel()
     row_bytes = block_nbytes(kv_caches, block_dim)
     rows = staging_rows(src, num_ids, row_bytes)
-    rows_at = rows.storage_offset() + torch.arange(num_ids, dtype=torch.int64) * row_bytes
+    rows_at = _row_offsets(rows, num_ids, row_bytes)
     offset = 0
     for cache in kv_caches:
         nbytes = layer_block_nbytes(cache, block_dim)
         dst_off, dst_stride = _byte_rows(cache, block_dim)  # type: ignore[misc]
         ids = _checked_ids(block_ids, cache.shape[block_dim], "block_ids")
-        move_rows(cache, ids * dst_stride + dst_off, rows, rows_at + offset, nbytes)
+        move_rows(cache, ids * dst_stride + dst_off, rows, rows_at.add(offset), nbytes)
         offset += nbytes
 
 
