@@ -4,9 +4,10 @@ vLLM's `CPUOffloadingWorker` drives CUDA streams and `swap_blocks_batch`, neithe
 exists on vLLM's CPU platform. This worker implements the same `OffloadingWorker` contract with
 `kernels.copy_blocks`, the one block mover of this project:
 
-- CPU platform: "device" and "host" are both host memory, so the dispatcher takes the torch
-  reference (`kernels.reference`: one `index_select(out=)` or `index_copy_` per group and
-  sub-block column, a memcpy per block inside ATen, no Python loop over blocks). Copies run
+- CPU platform: "device" and "host" are both host memory, so the dispatcher takes
+  `kernels.host_copy`: per group, sub-block column and tensor, one call into a JIT row copier
+  with streaming stores (no Python loop over blocks, GIL released; `AGENTGW_KERNELS=torch`
+  takes the torch reference instead). Copies run
   synchronously inside `submit_*` (the framework submits stores at the start of the next step,
   before the model writes again), so a store never reads a block after the scheduler could have
   reused it (store rule c).
