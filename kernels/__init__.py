@@ -5,6 +5,9 @@ One entry point per operation; each picks an implementation per call:
 - ``kernels.kv_copy`` (Triton) when every tensor is on CUDA, or a CPU side is pinned next to a
   CUDA side, or ``AGENTGW_KERNELS=triton`` (CPU tensors then need ``TRITON_INTERPRET=1`` set
   before the first call);
+- ``kernels.host_copy`` (one JIT-compiled row copier with streaming stores, through ``llvmlite``)
+  when every tensor is on the CPU, or ``AGENTGW_KERNELS=stream``; it hands what it cannot move
+  (layouts whose blocks are not contiguous runs, no ``llvmlite``) to the reference;
 - ``kernels.reference`` (torch ``index_select`` / ``index_copy_``) otherwise, or whenever
   ``AGENTGW_KERNELS=torch``.
 
@@ -23,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import host_copy, reference
 from kernels.fp8 import dequantize_fp8, fp8_nbytes, quantize_fp8
 from kernels.reference import block_nbytes
 
@@ -44,13 +47,17 @@ def _backend(tensors: Sequence[torch.Tensor]) -> ModuleType:
     choice = os.environ.get(_BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice == "torch":
         return reference
+    if choice == "stream":
+        if not host_copy.available():
+            raise RuntimeError(f"{_BACKEND_ENV}=stream but the streaming row copier is not available")
+        return host_copy
     if choice == "auto":
-        if not any(t.is_cuda for t in tensors):
-            return reference
+        if all(t.device.type == "cpu" for t in tensors):
+            return host_copy
         if not all(t.is_cuda or t.is_pinned() for t in tensors):
             return reference
     elif choice != "triton":
-        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'triton' or 'torch', not {choice!r}")
+        raise ValueError(f"{_BACKEND_ENV} must be 'auto', 'triton', 'stream' or 'torch', not {choice!r}")
     from kernels import kv_copy
 
     return kv_copy

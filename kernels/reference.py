@@ -30,11 +30,15 @@ The two caches of ``copy_blocks`` need the same block geometry (every dimension 
 region). Duplicate destination ids leave that block holding one of the candidates (unspecified
 which).
 
-Speed (CPU). A layer whose block is one contiguous run of bytes (the CPU layout, any block
-stride, so also views into one hybrid buffer) is moved as a ``[num_blocks, block_bytes]`` view in
-the widest word (up to 16 bytes) that divides every address and length: gathering is one
-``index_select(..., out=<the staging rows>)`` and scattering one ``index_put_``, both a memcpy
-per block inside ATen, with no intermediate tensor and no Python loop over blocks. A copy between
+Speed (CPU). The CPU default of ``kernels`` is ``kernels.host_copy`` (the same moves with
+streaming stores, ~0.8 x memcpy where this path's ordinary stores reach ~0.6-0.7 x: see there
+and docs/benchmarks.md); this module stays the ground truth, its fallback and
+``AGENTGW_KERNELS=torch``. A layer whose block is one contiguous run of bytes (the CPU layout,
+any block stride, so also views into one hybrid buffer) is moved as a ``[num_blocks,
+block_bytes]`` view in the widest word (up to 16 bytes) that divides every address and length:
+gathering is one ``index_select(..., out=<the staging rows>)`` (a libc memcpy per block inside
+ATen while a block is under 32,768 words) and scattering one ``index_put_`` (a loop over words),
+with no intermediate tensor and no Python loop over blocks. A copy between
 two caches is one pass per run of consecutive ids on the side that has fewer runs (a contiguous
 range on either side: one call), else a gather and a scatter through a bounce buffer
 (``BOUNCE_BYTES``). Few, large ATen calls matter on a loaded machine: each parallel call waits

@@ -65,7 +65,7 @@ def test_store_then_load_restores_exact_bytes(blocks_per_chunk: int) -> None:
         worker.shutdown()
 
 
-# ----- parity over the layouts the engines produce, torch reference and Triton's interpreter -----
+# ----- parity over the layouts the engines produce: streaming copier, torch reference, Triton's interpreter -----
 # (tensor pages, block stride, group refs) as `CanonicalKVCaches` describes them on the CPU platform:
 # - tiny Llama: 2 layers, one (num_blocks, 32 KiB) tensor each ([N, 2 heads, 128, 2*32] bf16), 1 group;
 # - Gemma3 with the hybrid manager: 3 sliding + 1 full layer in 4 groups of one layer, all four
@@ -139,10 +139,14 @@ def _naive_copy(
         host_off += -(-(size + skip) // bpc)
 
 
-@pytest.fixture(params=["torch", "triton-interpreter"])
+@pytest.fixture(params=["stream", "torch", "triton-interpreter"])
 def kernel_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "torch":
-        monkeypatch.setenv("AGENTGW_KERNELS", "torch")
+    if request.param in ("stream", "torch"):  # stream: the CPU default, kernels.host_copy
+        if request.param == "stream":
+            from kernels import host_copy
+
+            monkeypatch.setattr(host_copy, "STREAM_MIN_BYTES", 0)  # these transfers are small
+        monkeypatch.setenv("AGENTGW_KERNELS", str(request.param))
     else:
         import triton  # noqa: F401  (imported before TRITON_INTERPRET is set)
 
