@@ -304,17 +304,29 @@ def _fork_kind(text: str) -> str | None:
     return next(k for p, k in CLAUDE_CODE_FORK_PROMPTS if text.startswith(p))
 
 
+#: How Claude Code resumes a request cut by its output limit (live): a user message after the
+#: cut answer; a fork so resumed keeps its prompt before it.
+CLAUDE_CODE_RESUME_PROMPT = "Output token limit hit."
+
+
+def _user_texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str)]
+    return []
+
+
 def claude_code_request_kind(body: Mapping[str, Any]) -> str | None:
     """What a Claude Code request is, from what it sends by default (no request-class header):
 
-    - ``compaction`` / ``side_reply`` / ``auxiliary``: a user message starting with one of
-      :data:`CLAUDE_CODE_FORK_PROMPTS` (any user message: a fork cut by its output limit is
-      resumed with Claude Code's "Output token limit hit" message after it, and the main
-      transcript never holds one);
+    - ``compaction`` / ``side_reply`` / ``auxiliary``: the last user message starts with one of
+      :data:`CLAUDE_CODE_FORK_PROMPTS`, or, for a fork cut by its output limit and resumed, the
+      user message before Claude Code's resumption messages (:data:`CLAUDE_CODE_RESUME_PROMPT`);
     - ``auxiliary``: ``max_tokens`` 1 (a probe: the resume cache warm, the model, key and quota
       checks; a turn is never limited to one token).
-    None: a turn of the main loop or of a subagent (tool results, the "Output token limit hit"
-    resumption, a first prompt), as without the rule."""
+    None: a turn of the main loop or of a subagent (a prompt, tool results, a resumption), as
+    without the rule. Reads the last few messages only."""
     if body.get("max_tokens") == 1:
         return "auxiliary"
     messages = body.get("messages")
@@ -323,17 +335,13 @@ def claude_code_request_kind(body: Mapping[str, Any]) -> str | None:
     for m in reversed(messages):
         if not isinstance(m, dict) or m.get("role") != "user":
             continue
-        content = m.get("content")
-        if isinstance(content, str):
-            kind = _fork_kind(content)
+        texts = _user_texts(m.get("content"))
+        for text in texts:
+            kind = _fork_kind(text)
             if kind is not None:
                 return kind
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(text := part.get("text"), str):
-                    kind = _fork_kind(text)
-                    if kind is not None:
-                        return kind
+        if not (texts and texts[0].startswith(CLAUDE_CODE_RESUME_PROMPT)):
+            return None
     return None
 
 

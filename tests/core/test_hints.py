@@ -468,6 +468,23 @@ FROM_SOURCE += [
         {"session_id": "cc", "request_kind": None},
     ),
     (
+        "claude code: only the last user message (and what a resumption follows) is read",
+        CC,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools. (pasted)",
+                },
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "Now fix it."},
+                {"role": "assistant", "content": "cut"},
+                {"role": "user", "content": "Output token limit hit. Resume directly."},
+            ]
+        },
+        {"session_id": "cc", "request_kind": None},
+    ),
+    (
         "claude code: the header decides",
         {**CC, "x-claude-code-request-class": "main"},
         _cc_fork("CRITICAL: Respond with TEXT ONLY. Do NOT call any tools."),
