@@ -327,7 +327,7 @@ def claude_code_request_kind(body: Mapping[str, Any]) -> str | None:
       checks; a turn is never limited to one token).
     None: a turn of the main loop or of a subagent (a prompt, tool results, a resumption), as
     without the rule. Reads the last few messages only."""
-    if body.get("max_tokens") == 1:
+    if type(body.get("max_tokens")) is int and body["max_tokens"] == 1:
         return "auxiliary"
     messages = body.get("messages")
     if not isinstance(messages, list):

@@ -1,5 +1,6 @@
 """The real coding-agent clients through the gateway, two turns each: `claude -p` then
-`claude -p --continue` (Claude Code), `codex exec` then `codex exec resume --last` (Codex).
+`claude -p --continue` (Claude Code, then its `/compact`, which must not count as a turn),
+`codex exec` then `codex exec resume --last` (Codex).
 
 Each run exits 0 with an answer; the session API shows each harness's requests as one session;
 the second turn is served where its prefix is, and the pass/fail criterion: vLLM's cached tokens
@@ -248,6 +249,20 @@ def test_claude_code_two_turns_through_the_gateway(
     )
     assert turns[0].session == turns[0].exchange.headers["x-claude-code-session-id"]
     check_second_turn("Claude Code", turns, tokenizer)
+
+    # its compaction, sent as it sends it by default (no request-class header), is not a turn:
+    # routed without the session, which keeps its two turns
+    start = len(recorder.exchanges)
+    run(claude_argv(clients, "/compact", MODEL, "--continue"), env, home)  # exits 0 even if it fails
+    sent = recorder.since(start, "/v1/messages")
+    assert sent and all(e.status == 200 for e in sent), [(e.path, e.status) for e in sent]
+    assert "x-claude-code-request-class" not in sent[0].headers
+    assert all("x-agentgw-session" not in e.response_headers for e in sent), [
+        e.response_headers for e in sent
+    ]
+    sid = turns[1].session
+    state = httpx.get(f"{gateway.url}/v1/agent/sessions/{quote(sid, safe='')}", timeout=10).json()
+    assert state["turns"] == 2, state
 
 
 def test_codex_two_turns_through_the_gateway(
