@@ -50,6 +50,8 @@ class Exchange:
     body: bytes
     status: int = 0
     response_headers: dict[str, str] = field(default_factory=dict)
+    error: bytes = b""
+    """The start of an answer that is not a 2xx."""
 
 
 class Recorder:
@@ -75,6 +77,8 @@ class Recorder:
                 up = recorder._http.request(self.command, self.path, headers=headers, content=body)
                 ex.status = up.status_code
                 ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
+                if up.status_code >= 300:
+                    ex.error = up.content[:600]
                 self.send_response(up.status_code)
                 for k, v in up.headers.items():
                     if k.lower() not in _HOP:
@@ -255,7 +259,11 @@ def test_claude_code_two_turns_through_the_gateway(
     start = len(recorder.exchanges)
     run(claude_argv(clients, "/compact", MODEL, "--continue"), env, home)  # exits 0 even if it fails
     sent = recorder.since(start, "/v1/messages")
-    assert sent and all(e.status == 200 for e in sent), [(e.path, e.status) for e in sent]
+    # (the engine may refuse it first, a 400: the conversation, with the random model's long
+    # answers, plus the instruction is past the context window; Claude Code then compacts less)
+    statuses = [e.status for e in sent]
+    assert 200 in statuses and max(statuses) < 500, [(e.status, e.error) for e in sent]
+    print(f"Claude Code /compact: {statuses}; refused: {[e.error[:300] for e in sent if e.error]}")
     assert "x-claude-code-request-class" not in sent[0].headers
     assert all("x-agentgw-session" not in e.response_headers for e in sent), [
         e.response_headers for e in sent
