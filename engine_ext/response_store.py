@@ -7,9 +7,13 @@ rendered for it: every stored turn of a chain holds the chain's full history, so
 turns costs O(n^2) bytes) and ``event_store`` (id -> a background stream's events). This module
 replaces the three with :class:`BoundedStore` objects once the class is built:
 
-- least recently used first, at most ``max_entries`` entries and ``max_bytes`` bytes in
-  ``response_store`` and in ``msg_store`` (an entry's size is its JSON length; a value larger
-  than ``max_bytes`` is not kept), at most ``max_entries`` entries in ``event_store``;
+- least recently used first, at most ``max_entries`` entries and ``max_bytes`` bytes in each of
+  the three (an entry's size is its JSON length; a value larger than ``max_bytes`` is not kept).
+  A background stream's entry grows after it is stored: vLLM appends each event to the deque it
+  put in ``event_store``, so the serving object's ``responses_stream_generator`` is wrapped, for
+  background requests only, to count each event's JSON length into its entry as it is made
+  (:meth:`BoundedStore.grow`); a stream that outgrows the bound is evicted like any other entry
+  (vLLM's own task keeps appending to its deque until the stream ends, then lets it go);
 - the three forget an id together: a response is never continued without its history, and no
   history outlives its response. A ``previous_response_id`` or ``GET /v1/responses/{id}`` for an
   evicted id then gets vLLM's own 404 (``invalid_request_error``, "Response with id '...' not
@@ -33,8 +37,8 @@ import json
 import os
 import sys
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, MutableMapping
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -44,6 +48,8 @@ __all__ = [
     "SERVING_MODULE",
     "BoundedStore",
     "bound",
+    "counted_events",
+    "events_size",
     "install",
     "install_from_env",
     "json_size",
@@ -76,8 +82,12 @@ def json_size(value: Any) -> int:
         return len(repr(value).encode())
 
 
-def _no_size(value: Any) -> int:
-    return 0
+def events_size(value: Any) -> int:
+    """An ``event_store`` entry's size: its events' JSON length (vLLM's entry is ``(deque of
+    events, asyncio.Event)``; anything else by :func:`json_size`)."""
+    if isinstance(value, tuple) and value and isinstance(value[0], deque):
+        return sum(json_size(e) for e in value[0])
+    return json_size(value)
 
 
 class BoundedStore(MutableMapping[str, V]):
@@ -113,6 +123,18 @@ class BoundedStore(MutableMapping[str, V]):
             self.bytes -= old[1]
         self._items[key] = (value, size)
         self.bytes += size
+        while self._items and self._over():
+            self._evict(next(iter(self._items)))
+
+    def grow(self, key: str, nbytes: int) -> None:
+        """Count ``nbytes`` more for ``key``'s entry, whose value grew in place (a background
+        stream's new event), evicting as ``__setitem__`` does; a key not held is ignored (its
+        entry was evicted while its stream ran). Growing does not make an entry more recent."""
+        held = self._items.get(key)
+        if held is None:
+            return
+        self._items[key] = (held[0], held[1] + nbytes)
+        self.bytes += nbytes
         while self._items and self._over():
             self._evict(next(iter(self._items)))
 
@@ -152,7 +174,7 @@ def bound(serving: Any, max_entries: int | None, max_bytes: int | None) -> list[
     stores: list[BoundedStore[Any]] = [
         BoundedStore("response_store", max_entries, max_bytes),
         BoundedStore("msg_store", max_entries, max_bytes),
-        BoundedStore("event_store", max_entries, None, _no_size),
+        BoundedStore("event_store", max_entries, max_bytes, events_size),
     ]
     for s in stores:
         s.linked = [o for o in stores if o is not s]
@@ -160,8 +182,36 @@ def bound(serving: Any, max_entries: int | None, max_bytes: int | None) -> list[
         for key, value in getattr(serving, s.name).items():
             s[key] = value
         setattr(serving, s.name, s)
+    _measure_background_events(serving, stores[2])
     _collector().watch(stores)
     return stores
+
+
+def _measure_background_events(serving: Any, events: BoundedStore[Any]) -> None:
+    """Wrap the serving object's event generator so that a background request's events are
+    counted into its ``event_store`` entry as vLLM appends them (foreground streams untouched)."""
+    make = getattr(serving, "responses_stream_generator", None)
+    if make is None:
+        return
+
+    def responses_stream_generator(request: Any, *args: Any, **kwargs: Any) -> Any:
+        stream = make(request, *args, **kwargs)
+        if not getattr(request, "background", False):
+            return stream
+        return counted_events(stream, events, request.request_id)
+
+    serving.responses_stream_generator = responses_stream_generator
+
+
+async def counted_events(stream: Any, events: BoundedStore[Any], key: str) -> AsyncIterator[Any]:
+    """``stream``'s events, each counted into ``events[key]`` (while held) before it is passed on."""
+    try:
+        async for event in stream:
+            if key in events:
+                events.grow(key, json_size(event))
+            yield event
+    finally:
+        await stream.aclose()
 
 
 class _Collector:

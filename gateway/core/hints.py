@@ -18,7 +18,9 @@ Sources, highest precedence first (a field takes the first source that sets it):
    ``x-claude-code-parent-agent-id`` (a subagent's session is ``<session>#<agent>``, its parent
    ``<session>#<parent agent>`` or ``<session>`` for the main agent),
    ``x-claude-code-request-class`` (main | subagent | workflow | compaction | auxiliary |
-   side_reply: ``request_kind``; subagent / workflow mark a subagent)
+   side_reply: ``request_kind``; subagent / workflow mark a subagent; sent only with
+   ``CLAUDE_CODE_GATEWAY_HINT_HEADERS=1``), else the kind its default body shows
+   (:func:`claude_code_request_kind`: its compaction and helper prompts, a one-token probe)
 7. Codex: the thread is the session: ``thread-id``, else ``x-codex-turn-metadata`` (JSON; header,
    else body ``client_metadata``) ``thread_id``, else ``session-id`` / metadata ``session_id``
    (the root thread's id, shared by its subagents); a subagent's parent is
@@ -279,6 +281,70 @@ def _claude_code_metadata_session(body: Mapping[str, Any]) -> str | None:
     return _id("metadata.user_id.session_id", user["session_id"])
 
 
+#: The fixed instructions Claude Code 2.1.x appends, as a user message, to a copy of the
+#: conversation for a request that is not a turn (a fork: same system, tools and history as the
+#: main loop, never written to its transcript), and the ``request_kind`` each marks. Compaction
+#: (``/compact``, auto and reactive compaction, partial compaction) was seen in a live capture;
+#: the others are read from its bundled source (tests/core/test_hints.py builds them).
+CLAUDE_CODE_FORK_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.", "compaction"),
+    ("<system-reminder>This is a side question from the user.", "side_reply"),  # /btw
+    ("[SUGGESTION MODE: Suggest what the user might naturally type next", "auxiliary"),
+    ("The user stepped away and is coming back. Recap in under 40 words", "auxiliary"),
+    ("Describe your most recent action in 3-5 words", "auxiliary"),  # agent summary
+    ("Describe the agent's most recent action in 3-5 words", "auxiliary"),
+    ("Generate a short kebab-case name (2-4 words) that captures the main topic", "auxiliary"),
+)
+_FORK_PREFIXES = tuple(p for p, _ in CLAUDE_CODE_FORK_PROMPTS)
+
+
+def _fork_kind(text: str) -> str | None:
+    if not text.startswith(_FORK_PREFIXES):  # one C call for the common case: no marker
+        return None
+    return next(k for p, k in CLAUDE_CODE_FORK_PROMPTS if text.startswith(p))
+
+
+#: How Claude Code resumes a request cut by its output limit (live): a user message after the
+#: cut answer; a fork so resumed keeps its prompt before it.
+CLAUDE_CODE_RESUME_PROMPT = "Output token limit hit."
+
+
+def _user_texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str)]
+    return []
+
+
+def claude_code_request_kind(body: Mapping[str, Any]) -> str | None:
+    """What a Claude Code request is, from what it sends by default (no request-class header):
+
+    - ``compaction`` / ``side_reply`` / ``auxiliary``: the last user message starts with one of
+      :data:`CLAUDE_CODE_FORK_PROMPTS`, or, for a fork cut by its output limit and resumed, the
+      user message before Claude Code's resumption messages (:data:`CLAUDE_CODE_RESUME_PROMPT`);
+    - ``auxiliary``: ``max_tokens`` 1 (a probe: the resume cache warm, the model, key and quota
+      checks; a turn is never limited to one token).
+    None: a turn of the main loop or of a subagent (a prompt, tool results, a resumption), as
+    without the rule. Reads the last few messages only."""
+    if type(body.get("max_tokens")) is int and body["max_tokens"] == 1:
+        return "auxiliary"
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for m in reversed(messages):
+        if not isinstance(m, dict) or m.get("role") != "user":
+            continue
+        texts = _user_texts(m.get("content"))
+        for text in texts:
+            kind = _fork_kind(text)
+            if kind is not None:
+                return kind
+        if not (texts and texts[0].startswith(CLAUDE_CODE_RESUME_PROMPT)):
+            return None
+    return None
+
+
 def _codex_metadata(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """Codex's turn metadata (the header, else body ``client_metadata``) and where it came from."""
     meta = _json_object(headers.get("x-codex-turn-metadata"))
@@ -452,6 +518,8 @@ def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHin
                 b.set("agent_role", "subagent", "claude_code")
             elif klass == "main":
                 b.set("agent_role", "main", "claude_code")
+        else:
+            b.set("request_kind", claude_code_request_kind(body), "claude_code")
 
     # Codex, aiperf, OpenAI
     _codex(b, headers, body)

@@ -6,10 +6,11 @@ the prompt text) and which prefix index they belong to, bundled as a core
 Auxiliary requests are not the session's next turn: a harness's compaction (the conversation
 summarised to start a shorter one), a title or side question, a memory pass, a cache prewarm
 (``request_kind`` in :data:`AUXILIARY_KINDS`, from Codex's ``x-codex-turn-metadata`` or Claude
-Code's ``x-claude-code-request-class``). Their hints lose the session and its parent, so they are
-routed as session-less requests (by where their prefix is cached, and load) and never place or
-settle the session: its home, turns, prefix hashes, kept token ids, pins and planned migrations
-stay as the last real turn left them.
+Code's ``x-claude-code-request-class``, which it sends only when asked to; else from its default
+body: :func:`gateway.core.hints.claude_code_request_kind`). Their hints lose the session and its
+parent, so they are routed as session-less requests (by where their prefix is cached, and load)
+and never place or settle the session: its home, turns, prefix hashes, kept token ids, pins and
+planned migrations stay as the last real turn left them.
 
 Read-only: nothing here changes state the router reads (the dry run of ``/debug/route`` uses it
 as the real path does).
@@ -36,8 +37,8 @@ _HINT_HEADER_BYTES = frozenset(h.encode() for h in HEADER_NAMES)
 
 #: ``request_kind`` values that mark a request as not the session's next turn (Codex:
 #: ``compaction``, ``memory``, ``prewarm``; Claude Code: ``compaction``, ``auxiliary``,
-#: ``side_reply``). Kinds not listed (``turn``, ``main``, ``subagent``, ``workflow``, anything
-#: new) are turns, as before.
+#: ``side_reply``, by its header or its default body). Kinds not listed (``turn``, ``main``,
+#: ``subagent``, ``workflow``, anything new) are turns, as before.
 AUXILIARY_KINDS = frozenset({"compaction", "auxiliary", "side_reply", "memory", "prewarm"})
 _SESSION_FIELDS = ("session_id", "parent_session_id", "session_end")
 

@@ -175,6 +175,7 @@ def test_invalid_hints_name_the_field(headers: dict[str, str], body: dict[str, A
 # -- harnesses: what Claude Code and Codex send ------------------------------------------------
 CAPTURES = Path(__file__).resolve().parents[1] / "data" / "captures"
 CC_SESSION = "3adc0907-82a3-49e7-a21f-e4754f55e388"
+CC_COMPACT_SESSION = "23526d8d-d624-4505-99a2-3431cc6eaf00"
 CODEX_THREAD = "01a23109-3ccb-7261-a430-aa4d5f7d3070"
 
 
@@ -186,9 +187,23 @@ def _capture(name: str) -> tuple[dict[str, str], dict[str, Any]]:
 CAPTURED: list[tuple[str, dict[str, Any]]] = [
     (
         "claude_code_2.1.328_turn1.json",
-        {"session_id": CC_SESSION, "agent_role": None, "sources": {"session_id": "claude_code"}},
+        {
+            "session_id": CC_SESSION,
+            "agent_role": None,
+            "request_kind": None,
+            "sources": {"session_id": "claude_code"},
+        },
     ),
-    ("claude_code_2.1.328_turn2.json", {"session_id": CC_SESSION, "agent_role": None}),
+    ("claude_code_2.1.328_turn2.json", {"session_id": CC_SESSION, "agent_role": None, "request_kind": None}),
+    # `claude -p --continue /compact` (no request-class header by default): the conversation plus
+    # the compaction instruction as the last user message, then, cut by the output limit, resumed
+    # with Claude Code's "Output token limit hit" message after it; and a main-loop turn so resumed
+    ("claude_code_2.1.328_compact.json", {"session_id": CC_COMPACT_SESSION, "request_kind": "compaction"}),
+    (
+        "claude_code_2.1.328_compact_resumed.json",
+        {"session_id": CC_COMPACT_SESSION, "request_kind": "compaction"},
+    ),
+    ("claude_code_2.1.328_turn_resumed.json", {"session_id": CC_COMPACT_SESSION, "request_kind": None}),
     (
         "codex_0.169.0_turn1.json",
         {
@@ -356,6 +371,130 @@ FROM_SOURCE: list[tuple[str, dict[str, str], dict[str, Any], dict[str, Any]]] = 
         {"x-claude-code-session-id": "cc", "session-id": "cx"},
         {"prompt_cache_key": "pck"},
         {"session_id": "cc"},
+    ),
+]
+
+
+def _cc_fork(prompt: str | list[dict[str, Any]], **body: Any) -> dict[str, Any]:
+    """A Claude Code fork as its source builds one: the conversation, then the fixed prompt."""
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "Fix the failing test."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
+    ]
+    return {
+        "tools": [{"name": "Bash"}],
+        "stream": True,
+        **body,
+        "messages": [*history, {"role": "user", "content": prompt}],
+    }
+
+
+CC = {"x-claude-code-session-id": "cc"}
+# Claude Code 2.1.328's requests that are not turns, without CLAUDE_CODE_GATEWAY_HINT_HEADERS: the
+# fixed prompts of its forks and its one-token probes, from its bundled source (the compaction's
+# also live, above); a header, when sent, decides.
+FROM_SOURCE += [
+    (
+        "claude code partial compaction",
+        CC,
+        _cc_fork(
+            "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\n- Do NOT use Read ...\n\n"
+            "Your task is to create a detailed summary of the RECENT portion of the conversation"
+        ),
+        {"session_id": "cc", "request_kind": "compaction"},
+    ),
+    (
+        "claude code side question",
+        CC,
+        _cc_fork(
+            [
+                {
+                    "type": "text",
+                    "text": "<system-reminder>This is a side question from the user. You must answer",
+                },
+                {"type": "text", "text": "what does this function return?"},
+            ]
+        ),
+        {"session_id": "cc", "request_kind": "side_reply"},
+    ),
+    (
+        "claude code prompt suggestion",
+        CC,
+        _cc_fork(
+            "[SUGGESTION MODE: Suggest what the user might naturally type next into Claude Code.]\n\nFIRST:"
+        ),
+        {"request_kind": "auxiliary"},
+    ),
+    (
+        "claude code away summary",
+        CC,
+        _cc_fork("The user stepped away and is coming back. Recap in under 40 words, 1-2 plain sentences"),
+        {"request_kind": "auxiliary"},
+    ),
+    (
+        "claude code agent summary",
+        {**CC, "x-claude-code-agent-id": "a3"},
+        _cc_fork("Describe your most recent action in 3-5 words using present tense (-ing)."),
+        {"session_id": "cc#a3", "request_kind": "auxiliary"},
+    ),
+    (
+        "claude code session name",
+        CC,
+        _cc_fork(
+            "Generate a short kebab-case name (2-4 words) that captures the main topic of this conversation."
+        ),
+        {"request_kind": "auxiliary"},
+    ),
+    (
+        "claude code resume cache warm",
+        CC,
+        {"max_tokens": 1, "messages": [{"role": "user", "content": "Fix the failing test."}]},
+        {"session_id": "cc", "request_kind": "auxiliary"},
+    ),
+    (
+        "claude code model check, by metadata",
+        {},
+        {
+            "max_tokens": 1,
+            "metadata": {"user_id": json.dumps({"session_id": "cc"})},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        },
+        {"session_id": "cc", "request_kind": "auxiliary"},
+    ),
+    (
+        "claude code turn with tool results",
+        CC,
+        _cc_fork([{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}], max_tokens=32000),
+        {"session_id": "cc", "request_kind": None},
+    ),
+    (
+        "claude code: only the last user message (and what a resumption follows) is read",
+        CC,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools. (pasted)",
+                },
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "Now fix it."},
+                {"role": "assistant", "content": "cut"},
+                {"role": "user", "content": "Output token limit hit. Resume directly."},
+            ]
+        },
+        {"session_id": "cc", "request_kind": None},
+    ),
+    (
+        "claude code: the header decides",
+        {**CC, "x-claude-code-request-class": "main"},
+        _cc_fork("CRITICAL: Respond with TEXT ONLY. Do NOT call any tools."),
+        {"request_kind": "main", "agent_role": "main"},
+    ),
+    (
+        "the compaction prompt outside claude code is nothing",
+        {"x-session-id": "s"},
+        _cc_fork("CRITICAL: Respond with TEXT ONLY. Do NOT call any tools."),
+        {"session_id": "s", "request_kind": None},
     ),
 ]
 

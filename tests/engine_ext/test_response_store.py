@@ -5,9 +5,12 @@ the attributes vLLM 0.32 really has. The real engine: tests/gateway/test_respons
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
+from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +21,7 @@ from engine_ext.response_store import (
     ENV_MAX_ENTRIES,
     BoundedStore,
     bound,
+    events_size,
     install_from_env,
     json_size,
 )
@@ -65,6 +69,63 @@ def test_the_three_stores_forget_an_id_together() -> None:
     assert messages.evictions == 1 and responses.evictions == 0
 
 
+class _Serving:
+    """The shape of vLLM 0.32's ``OpenAIServingResponses`` that the store touches: the three dicts,
+    the event generator, and ``_run_background_request_stream``'s use of them (the events of a
+    background request go into the deque it stored, one by one)."""
+
+    def __init__(self) -> None:
+        self.response_store: dict[str, object] = {}
+        self.msg_store: dict[str, object] = {}
+        self.event_store: dict[str, object] = {}
+
+    async def responses_stream_generator(
+        self, request: SimpleNamespace, n: int
+    ) -> AsyncIterator[dict[str, str]]:
+        for i in range(n):
+            yield {"type": "response.output_text.delta", "delta": f"{request.request_id}-{i:03d}"}
+
+    async def background_stream(self, request: SimpleNamespace, n: int) -> deque[dict[str, str]]:
+        events: deque[dict[str, str]] = deque()
+        self.response_store[request.request_id] = {"id": request.request_id}
+        self.event_store[request.request_id] = (events, asyncio.Event())
+        async for event in self.responses_stream_generator(request, n):
+            events.append(event)
+        return events
+
+
+def test_background_stream_events_count_toward_the_bytes_bound_and_evict_their_id_everywhere() -> None:
+    serving = _Serving()
+    event_bytes = len(b'{"type": "response.output_text.delta", "delta": "r1-000"}')
+    responses, _messages, events = bound(serving, max_entries=10, max_bytes=25 * event_bytes)
+
+    async def run() -> None:
+        def bg(rid: str) -> SimpleNamespace:
+            return SimpleNamespace(request_id=rid, background=True)
+
+        got = await serving.background_stream(bg("r1"), 10)
+        assert len(got) == 10 and events.bytes == 10 * event_bytes  # counted as they came
+        assert events_size(serving.event_store["r1"]) == events.bytes
+        await serving.background_stream(bg("r2"), 10)
+        assert events.bytes == 20 * event_bytes and "r1" in serving.event_store
+        # r3's events push the total past the bound: the oldest id goes, from every store
+        await serving.background_stream(bg("r3"), 10)
+        assert "r1" not in serving.event_store and "r1" not in serving.response_store
+        assert sorted(serving.event_store) == ["r2", "r3"] == sorted(serving.response_store)
+        assert events.bytes == 20 * event_bytes <= 25 * event_bytes and events.evictions == 1
+        # a stream that alone outgrows the bound is not kept (its own task still gets every event)
+        whole = await serving.background_stream(bg("big"), 30)
+        assert len(whole) == 30 and "big" not in serving.event_store and "big" not in serving.response_store
+        assert events.bytes <= 25 * event_bytes
+        # a foreground stream is not counted anywhere
+        fg = [e async for e in serving.responses_stream_generator(SimpleNamespace(request_id="f"), 5)]
+        assert len(fg) == 5 and "f" not in serving.event_store
+
+    before = events.bytes
+    asyncio.run(run())
+    assert before == 0 and responses.evictions == 0  # evicted through the event store, not its own
+
+
 def test_environment_switch() -> None:
     assert install_from_env({ENV_MAX_ENTRIES: "5"}) is False  # vLLM's store is off: nothing stored
     assert install_from_env({"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) is False  # no bound asked
@@ -89,6 +150,11 @@ def test_the_plugin_bounds_vllms_serving_class_when_it_is_imported() -> None:
         # and the methods that read them use them as a mapping
         body = inspect.getsource(cls)
         assert "self.response_store.get(" in body and "self.msg_store.get(" in body
+        # a background stream's events go into the deque it stored, from the generator the
+        # store wraps to count them
+        bg = inspect.getsource(cls._run_background_request_stream)
+        assert "self.event_store[request.request_id] = (event_deque" in bg, bg
+        assert "self.responses_stream_generator(request" in bg and "event_deque.append(event)" in bg, bg
         print("patched")
         """
     )

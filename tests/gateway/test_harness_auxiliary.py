@@ -2,10 +2,11 @@
 the session: through a served gateway in front of the three real engines, a Codex-style
 session's turn 1, then a request the harness marks ``request_kind: compaction`` (Codex's
 ``x-codex-turn-metadata``) or ``x-claude-code-request-class: compaction`` / ``auxiliary``
-(Claude Code), then turn 2. The session's record (home, turns, context tokens, prefix hashes,
-last decision) and the token ids kept for its KV prefetch (none without engine_ext engines) are
-exactly as turn 1 left them after the compaction; turn 2 is then the session's second turn.
-Without the rule the compaction would have counted as turn 2 (its prompt's hashes and size)."""
+(Claude Code; by default, without that header, its compaction instruction), then turn 2. The
+session's record (home, turns, context tokens, prefix hashes, last decision) and the token ids
+kept for its KV prefetch (none without engine_ext engines) are exactly as turn 1 left them after
+the compaction; turn 2 is then the session's second turn. Without the rule the compaction would
+have counted as turn 2 (its prompt's hashes and size)."""
 
 from __future__ import annotations
 
@@ -117,11 +118,26 @@ def test_a_codex_compaction_between_two_turns_leaves_the_session_as_it_was(gatew
     assert rec.turns == 2 and rec.prefix_hashes[: len(before["prefix_hashes"])] == before["prefix_hashes"]
 
 
-@pytest.mark.parametrize("klass", ["compaction", "auxiliary"])
+#: How Claude Code 2.1.328 starts its compaction instruction (a live capture:
+#: tests/data/captures/claude_code_2.1.328_compact.json), the only sign of it by default.
+CC_COMPACT = (
+    "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\n"
+    "- Do NOT use Read, Bash, Grep, Glob, Edit, Write, or ANY other tool.\n\n"
+    "Your task is to create a detailed summary of the conversation so far."
+)
+
+
+@pytest.mark.parametrize(
+    ("klass", "prompt"),
+    [("compaction", "Summarise."), ("auxiliary", "Summarise."), (None, CC_COMPACT)],
+    ids=["class-compaction", "class-auxiliary", "default-compaction"],
+)
 def test_claude_code_compaction_and_auxiliary_requests_do_not_settle_the_session(
-    gateway: ServedGateway, klass: str
+    gateway: ServedGateway, klass: str | None, prompt: str
 ) -> None:
-    sid = f"cc-aux-{klass}"
+    """With ``CLAUDE_CODE_GATEWAY_HINT_HEADERS=1`` the request class says so; by default (no
+    class header) the compaction instruction in the last user message does."""
+    sid = f"cc-aux-{klass or 'default'}"
     url = f"{gateway.url}/v1/messages"
     msgs = [{"role": "user", "content": "Fix the failing test in tests/test_a.py. " * 6}]
     body = {"model": MODEL, "max_tokens": 4, "system": SYSTEM, "messages": msgs}
@@ -133,10 +149,12 @@ def test_claude_code_compaction_and_auxiliary_requests_do_not_settle_the_session
         "messages": [
             *msgs,
             {"role": "assistant", "content": "Done."},
-            {"role": "user", "content": "Summarise."},
+            {"role": "user", "content": prompt},
         ],
     }
-    headers = {"x-claude-code-session-id": sid, "x-claude-code-request-class": klass}
+    headers = {"x-claude-code-session-id": sid}
+    if klass is not None:
+        headers["x-claude-code-request-class"] = klass
     ra = httpx.post(url, json=aux, headers=headers, timeout=120)
     assert ra.status_code == 200, ra.text
     assert "x-agentgw-session" not in ra.headers
@@ -145,3 +163,12 @@ def test_claude_code_compaction_and_auxiliary_requests_do_not_settle_the_session
             break
         time.sleep(0.05)
     assert _state(gateway, _record(gateway, sid) or SessionRecord(sid)) == before
+    # the next real turn is the session's turn 2
+    turn2 = {
+        **body,
+        "messages": [*msgs, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Go on."}],
+    }
+    r2 = httpx.post(url, json=turn2, headers={"x-claude-code-session-id": sid}, timeout=120)
+    assert r2.status_code == 200, r2.text
+    assert r2.headers["x-agentgw-session"] == sid
+    assert _settled(gateway, sid, 2).turns == 2

@@ -1,5 +1,6 @@
 """The real coding-agent clients through the gateway, two turns each: `claude -p` then
-`claude -p --continue` (Claude Code), `codex exec` then `codex exec resume --last` (Codex).
+`claude -p --continue` (Claude Code, then its `/compact`, which must not count as a turn),
+`codex exec` then `codex exec resume --last` (Codex).
 
 Each run exits 0 with an answer; the session API shows each harness's requests as one session;
 the second turn is served where its prefix is, and the pass/fail criterion: vLLM's cached tokens
@@ -49,6 +50,8 @@ class Exchange:
     body: bytes
     status: int = 0
     response_headers: dict[str, str] = field(default_factory=dict)
+    error: bytes = b""
+    """The start of an answer that is not a 2xx."""
 
 
 class Recorder:
@@ -74,6 +77,8 @@ class Recorder:
                 up = recorder._http.request(self.command, self.path, headers=headers, content=body)
                 ex.status = up.status_code
                 ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
+                if up.status_code >= 300:
+                    ex.error = up.content[:600]
                 self.send_response(up.status_code)
                 for k, v in up.headers.items():
                     if k.lower() not in _HOP:
@@ -248,6 +253,24 @@ def test_claude_code_two_turns_through_the_gateway(
     )
     assert turns[0].session == turns[0].exchange.headers["x-claude-code-session-id"]
     check_second_turn("Claude Code", turns, tokenizer)
+
+    # its compaction, sent as it sends it by default (no request-class header), is not a turn:
+    # routed without the session, which keeps its two turns
+    start = len(recorder.exchanges)
+    run(claude_argv(clients, "/compact", MODEL, "--continue"), env, home)  # exits 0 even if it fails
+    sent = recorder.since(start, "/v1/messages")
+    # (the engine may refuse it first, a 400: the conversation, with the random model's long
+    # answers, plus the instruction is past the context window; Claude Code then compacts less)
+    statuses = [e.status for e in sent]
+    assert 200 in statuses and max(statuses) < 500, [(e.status, e.error) for e in sent]
+    print(f"Claude Code /compact: {statuses}; refused: {[e.error[:300] for e in sent if e.error]}")
+    assert "x-claude-code-request-class" not in sent[0].headers
+    assert all("x-agentgw-session" not in e.response_headers for e in sent), [
+        e.response_headers for e in sent
+    ]
+    sid = turns[1].session
+    state = httpx.get(f"{gateway.url}/v1/agent/sessions/{quote(sid, safe='')}", timeout=10).json()
+    assert state["turns"] == 2, state
 
 
 def test_codex_two_turns_through_the_gateway(

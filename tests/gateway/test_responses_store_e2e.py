@@ -9,6 +9,7 @@ do), ``rb`` runs with the local engines' defaults.
   and the bytes held (the engine's ``agentgw_engine_responses_store_bytes``) never pass the bound
   while evictions grow; a response the gateway routed there and the engine evicted gets OpenAI's
   400 ``previous_response_not_found`` through the gateway.
+- Background streams: the events vLLM appends to a stored stream count toward the bytes bound.
 - Owner killed: a response stored on ``ra`` through the gateway, ``ra`` SIGKILLed; a follow-up
   with its ``previous_response_id`` (streamed or not) gets OpenAI's 400
   ``previous_response_not_found`` and ``GET /v1/responses/{id}`` its 404 ``response_not_found``,
@@ -122,6 +123,24 @@ def test_long_histories_stay_within_the_bytes_bound(engines: dict[str, LocalEngi
     assert stats["agentgw_engine_responses_store_bytes", "msg_store"] > len(LONG)  # the newest is kept
     assert_not_found(httpx.get(f"{ra.url}/v1/responses/{ids[0]}", timeout=30), "response_id")
     assert httpx.get(f"{ra.url}/v1/responses/{ids[-1]}", timeout=30).status_code == 200
+
+
+def test_a_background_streams_events_are_counted_within_the_bytes_bound(
+    engines: dict[str, LocalEngine],
+) -> None:
+    ra = engines["ra"]
+    body = {"model": MODEL, "input": "stream it in the background", "max_output_tokens": 8}
+    with httpx.stream(
+        "POST", ra.url + "/v1/responses", json=body | {"background": True, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        data = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert '"response.completed"' in data[-1], data[-1]
+    stats = store_stats(ra)
+    # vLLM appended every event to the entry after storing it: the bound counted each of them
+    held = stats["agentgw_engine_responses_store_bytes", "event_store"]
+    assert sum(len(line) - len("data: ") for line in data) * 0.8 < held <= MAX_BYTES, (held, stats)
+    assert stats["agentgw_engine_responses_store_entries", "event_store"] >= 1
 
 
 def _gateway_config(engines: dict[str, LocalEngine]) -> dict[str, Any]:

@@ -232,7 +232,7 @@ def test_claude_code_captures_convert_like_vllm(path: Path, merge: bool) -> None
 
 
 def test_captures_exist() -> None:
-    assert len(CLAUDE_CAPTURES) == 2
+    assert len(CLAUDE_CAPTURES) == 5  # two turns; a compaction, resumed; a turn resumed
 
 
 @pytest.mark.parametrize(("name", "body", "options"), variants(), ids=[v[0] for v in variants()])
