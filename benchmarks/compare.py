@@ -159,6 +159,8 @@ def run_one(
         routing = replace(routing, weights={**routing.weights, **weights})
     if routing_overrides:
         routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
+    if "noknee" in flags:
+        routing = replace(routing, interactivity_tok_s=0.0)
     if first_turn_threshold is not None:
         routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
@@ -516,8 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
         "load_view": args.load_view,
         "routing_overrides": {
-            k: float(v) if "." in v else int(v)
-            for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+            "interactivity_tok_s": slo_tok_s,
+            **{
+                k: float(v) if "." in v else int(v)
+                for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+            },
         },
     }
     lanes_open = args.trace == "mooncake"

@@ -176,7 +176,7 @@ class Forwarder:
             self.cluster.begin(name)
             # a fallback engine's prefix match is not known: its whole prompt counts
             uncached = decision.uncached_tokens + (decision.cached_tokens if i > 0 else 0)
-            ticket = self.cluster.sent(name, uncached)
+            ticket = self.cluster.sent(name, uncached, decision.cached_tokens + decision.uncached_tokens)
             try:
                 async with asyncio.timeout(t.first_byte_s):
                     response = await self.upstream.session.post(
