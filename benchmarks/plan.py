@@ -39,6 +39,7 @@ from benchmarks.compare import load_trace, meets_slo, run_one
 from benchmarks.sim.calibration import ENGINES
 from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request
 from benchmarks.sim.tiers import TiersConfig
+from gateway.core.router import RoutingParams
 
 __all__ = ["Layout", "layouts", "main", "recommend"]
 
@@ -105,8 +106,11 @@ def recommend(results: dict[Layout, list[Point]], slo_ttft_ms: float, slo_tok_s:
     return min(results.items(), key=key)[0]
 
 
-def config_text(layout: Layout, engines: int, model: str, header: str) -> str:
-    """A gateway config (YAML) with the recommended routing and pools; URLs are placeholders."""
+def config_text(
+    layout: Layout, engines: int, model: str, header: str, interactivity_tok_s: float = 50.0
+) -> str:
+    """A gateway config (YAML) with the recommended routing and pools; URLs are placeholders.
+    ``interactivity_tok_s``: the SLO the run used, which the picker's decode knee protects."""
     names = [f"engine{i}" for i in range(engines)]
 
     def pool(name: str, role: str, members: list[str]) -> list[str]:
@@ -122,6 +126,8 @@ def config_text(layout: Layout, engines: int, model: str, header: str) -> str:
 
     out = [f"# {line}" for line in header.splitlines()]
     out += ["# engine URLs are placeholders: point them at your engines", "routing:", "  profile: agentic"]
+    if interactivity_tok_s != RoutingParams().interactivity_tok_s:
+        out += [f"  interactivity_tok_s: {interactivity_tok_s:g}"]
     if layout.first_turn == 0:
         out += ["pools:", *pool("default", "any", names)]
     else:
@@ -204,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
                 args.engine,
                 first_turn_workers=layout.first_turn,
                 tiers=tiers,
+                routing_overrides={"interactivity_tok_s": slo_tok_s},
             )
             results.setdefault(layout, []).append((n_lanes, m))
     what = (
@@ -238,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.write:
         Path(args.write).write_text(
-            config_text(best, args.engines, args.model, f"agentgw plan: {what}\nrecommended: {best.label}")
+            config_text(
+                best, args.engines, args.model, f"agentgw plan: {what}\nrecommended: {best.label}", slo_tok_s
+            )
         )
         print(f"wrote {args.write}")
     if args.plot:
