@@ -19,7 +19,9 @@ by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, p
 subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
 real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
 ``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold
-instead of the work-conserving cost split (the split as first built); ``+bal`` keeps the
+instead of the work-conserving cost split (the split as first built); ``+noknee`` turns off the
+sticky picker's decode knee (``RoutingParams.interactivity_tok_s = 0``; every other ``agentic``
+policy routes with the knee at ``--slo-tok-s``); ``+bal`` keeps the
 ``home_load`` scorer at weight 5 (the router's default since issue 12: new sessions and
 subagents land where the fewest live sessions' context is homed, balancing the KV decoding
 sequences hold) and every other ``agentic`` policy runs it at 0, as first built; ``+intf`` adds
