@@ -6,7 +6,8 @@ immutable and pure: the same request and snapshot always give the same decision.
 Profiles:
 - ``agentic`` (ours): healthy, model, pool_role, saturation -> prefix, session_affinity,
   parent_prefix, spread, queue, kv_usage, home_load (0 unless configured: the home ledger feeds it),
-  interference (0 unless set) -> sticky_bounded. ``pool_role`` is the work-conserving
+  interference (0 unless set) -> sticky_bounded (with the decode knee of
+  ``interactivity_tok_s``: ``kv_balance``). ``pool_role`` is the work-conserving
   ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
   ``cost_*`` parameters, the default) or the fixed threshold on estimated uncached tokens
   (``split="wall"``: ``first_turn_threshold_tokens``).
