@@ -19,7 +19,9 @@ by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, p
 subagents, expected tool latency from the trace's recorded gap). Suffixes: ``+ctl`` drives the
 real role controller (``gateway.core.roles``) in virtual time (roles start as laid out by
 ``--pools``, or all warm); ``+wall`` routes ``agentic`` with the fixed first-turn threshold
-instead of the work-conserving cost split (the split as first built); ``+bal`` keeps the
+instead of the work-conserving cost split (the split as first built); ``+noknee`` turns off the
+sticky picker's decode knee (``RoutingParams.interactivity_tok_s = 0``; every other ``agentic``
+policy routes with the knee at ``--slo-tok-s``); ``+bal`` keeps the
 ``home_load`` scorer at weight 5 (the router's default since issue 12: new sessions and
 subagents land where the fewest live sessions' context is homed, balancing the KV decoding
 sequences hold) and every other ``agentic`` policy runs it at 0, as first built; ``+intf`` adds
@@ -159,6 +161,8 @@ def run_one(
         routing = replace(routing, weights={**routing.weights, **weights})
     if routing_overrides:
         routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
+    if "noknee" in flags:
+        routing = replace(routing, interactivity_tok_s=0.0)
     if first_turn_threshold is not None:
         routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
@@ -516,8 +520,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
         "load_view": args.load_view,
         "routing_overrides": {
-            k: float(v) if "." in v else int(v)
-            for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+            "interactivity_tok_s": slo_tok_s,
+            **{
+                k: float(v) if "." in v else int(v)
+                for k, v in (kv.split("=") for kv in args.routing.split(",") if kv)
+            },
         },
     }
     lanes_open = args.trace == "mooncake"

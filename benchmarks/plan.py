@@ -52,6 +52,7 @@ from benchmarks.compare import load_trace, meets_slo, run_one
 from benchmarks.sim.calibration import ENGINES
 from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request
 from benchmarks.sim.tiers import TiersConfig
+from gateway.core.router import RoutingParams
 from gateway.local.layout import DEFAULT, LocalLayout
 
 __all__ = ["FINGERPRINT_ARGV", "RECORD_ARGV", "Layout", "layouts", "main", "recommend", "sweep"]
@@ -131,15 +132,21 @@ def recommend(results: dict[Layout, list[Point]], slo_ttft_ms: float, slo_tok_s:
     return min(results.items(), key=key)[0]
 
 
-def config_text(layout: Layout, engines: int, model: str, header: str) -> str:
-    """A gateway config (YAML) with the recommended routing and pools; URLs are placeholders."""
+def config_text(
+    layout: Layout, engines: int, model: str, header: str, interactivity_tok_s: float = 50.0
+) -> str:
+    """A gateway config (YAML) with the recommended routing and pools; URLs are placeholders.
+    ``interactivity_tok_s``: the SLO the run used, which the picker's decode knee protects."""
     import yaml
 
     local = layout.local(engines)
     members = [
         {"name": n, "url": f"http://127.0.0.1:{8100 + i}", "model": model} for i, n in enumerate(local.names)
     ]
-    data = {"routing": {"profile": "agentic", **local.routing()}, "pools": local.pools(members)}
+    routing: dict[str, object] = {"profile": "agentic", **local.routing()}
+    if interactivity_tok_s != RoutingParams().interactivity_tok_s:
+        routing["interactivity_tok_s"] = interactivity_tok_s
+    data = {"routing": routing, "pools": local.pools(members)}
     out = [f"# {line}" for line in header.splitlines()]
     out += ["# engine URLs are placeholders: point them at your engines"]
     return "\n".join(out) + "\n" + yaml.safe_dump(data, sort_keys=False)
@@ -229,6 +236,7 @@ def sweep(args: argparse.Namespace) -> Sweep:
                 args.engine,
                 first_turn_workers=layout.first_turn,
                 tiers=tiers,
+                routing_overrides={"interactivity_tok_s": slo_tok_s},
             )
             results.setdefault(layout, []).append((n_lanes, m))
     what = (
@@ -317,7 +325,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     )
     if args.write:
         Path(args.write).write_text(
-            config_text(best, args.engines, args.model, f"agentgw plan: {s.what}\nrecommended: {best.label}")
+            config_text(
+                best,
+                args.engines,
+                args.model,
+                f"agentgw plan: {s.what}\nrecommended: {best.label}",
+                s.slo_tok_s,
+            )
         )
         print(f"wrote {args.write}")
     if args.plot:

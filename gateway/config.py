@@ -132,6 +132,10 @@ class RoutingConfig(_Strict):
     """Estimated uncached tokens at or above which a request goes to the first-turn pool."""
     sticky_max_queue: int = Field(16, ge=0)
     saturation_max_queue: int = Field(64, ge=0)
+    interactivity_tok_s: float = Field(RoutingParams().interactivity_tok_s, ge=0)
+    """Decode speed the ``agentic`` picker protects: a turn leaves its home (or best-scored
+    engine) when its KV there would pass the knee where the ``cost_decode_ms`` step reaches
+    1000 / this ms, for an engine that stays under it (reason ``kv_balance``); 0: off."""
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
     split: Literal["cost", "wall"] = "cost"

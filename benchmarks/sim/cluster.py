@@ -356,7 +356,9 @@ class Simulator:
             turn = replace(turn, hints=AgentHints())
         self._rid += 1
         rid = self._rid
-        ticket = self.load.sent(d.engine, d.uncached_tokens) if self.load is not None else None
+        ticket = (
+            self.load.sent(d.engine, d.uncached_tokens, r.input_tokens) if self.load is not None else None
+        )
         self._live[rid] = _Inflight(st, r, ei, turn, d, req.fan_out, ticket)
         self._inflight_n[ei] += 1
         self._trigger(st, idx, DISPATCH, now)

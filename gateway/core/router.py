@@ -6,7 +6,8 @@ immutable and pure: the same request and snapshot always give the same decision.
 Profiles:
 - ``agentic`` (ours): healthy, model, pool_role, saturation -> prefix, session_affinity,
   parent_prefix, spread, queue, kv_usage, home_load (0 unless configured: the home ledger feeds it),
-  interference (0 unless set) -> sticky_bounded. ``pool_role`` is the work-conserving
+  interference (0 unless set) -> sticky_bounded (with the decode knee of
+  ``interactivity_tok_s``: ``kv_balance``). ``pool_role`` is the work-conserving
   ``cost_split`` (``split="cost"``: first-turn vs warm priced with the engine cost model in the
   ``cost_*`` parameters, the default) or the fixed threshold on estimated uncached tokens
   (``split="wall"``: ``first_turn_threshold_tokens``).
@@ -55,6 +56,13 @@ class RoutingParams:
     first_turn_threshold_tokens: int = 4096
     sticky_max_queue: int = 16
     saturation_max_queue: int = 64
+    interactivity_tok_s: float = 50.0
+    """The decode speed the ``agentic`` picker protects (AgentX's P90 interactivity SLO): a turn
+    leaves its home (or best-scored engine) when its KV there would pass the cost model's decode
+    knee for this rate (``EngineCost.decode_knee``: u = 0.31 for the default step polynomial at
+    50 tok/s) and another engine stays under it (reason ``kv_balance``). 0: off (only the fit
+    check at a full cache). On the Weka dev trace in the simulator: capacity at the SLO from 12
+    to N lanes (docs/benchmarks_sim.md)."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     split: str = "cost"
@@ -125,7 +133,12 @@ def _agentic(p: RoutingParams) -> Profile:
             Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference", 0.0)),
             Weighted(HomeLoadScorer(), _w(p, "home_load", 0.0)),
         ),
-        StickyBounded(p.sticky_max_queue, p.prefill_s_per_token, p.queue_s_per_request),
+        StickyBounded(
+            p.sticky_max_queue,
+            p.prefill_s_per_token,
+            p.queue_s_per_request,
+            decode_kv_high=engine_cost(p).decode_knee(p.interactivity_tok_s),
+        ),
     )
 
 

@@ -63,6 +63,10 @@ class EngineView:
     homed_tokens: int = 0
     """Context tokens of the live sessions the gateway has homed on this engine: the KV their
     next turns will hold while decoding (0 when unknown)."""
+    inflight_tokens: int = 0
+    """Prompt tokens of the requests the gateway has sent to this engine and not yet finished
+    (its load ledger, gateway/core/load.py): the KV they hold or will hold once admitted, known
+    before the engine's usage gauge shows it (0 when unknown)."""
     pinned_share: float = 0.0
     """Share of the device KV cache held by engine_ext device soft pins (0 when unknown or no
     pinning scheduler). ``kv_usage`` counts these blocks as used, but a pin yields to a request
@@ -73,6 +77,15 @@ class EngineView:
         """``kv_usage`` less the soft-pinned share: the device KV a new request cannot reclaim.
         What every room check and KV ranking reads (pins yield to admission)."""
         return max(0.0, self.kv_usage - self.pinned_share)
+
+    def kv_share(self, block_size: int) -> float:
+        """The device KV share a new request cannot reclaim: ``unpinned_usage``, or the
+        gateway's in-flight prompt tokens in blocks over the capacity when that is more (they
+        lead the scraped gauge). What every room check and KV ranking reads."""
+        u = self.unpinned_usage
+        if self.inflight_tokens <= 0 or self.capacity_blocks <= 0:
+            return u
+        return max(u, -(-self.inflight_tokens // max(1, block_size)) / self.capacity_blocks)
 
     @property
     def queue(self) -> int:

@@ -189,9 +189,10 @@ class Cluster:
         self.engines[name].inflight -= 1
         self._changed()
 
-    def sent(self, name: str, uncached_tokens: int) -> Ticket:
-        """A request went to ``name``; it prefills ``uncached_tokens`` until its first byte."""
-        t = self.load.sent(name, uncached_tokens)
+    def sent(self, name: str, uncached_tokens: int, prompt_tokens: int = 0) -> Ticket:
+        """A request went to ``name``; it prefills ``uncached_tokens`` until its first byte and
+        holds ``prompt_tokens`` of KV until it finishes."""
+        t = self.load.sent(name, uncached_tokens, prompt_tokens)
         self._changed()
         return t
 

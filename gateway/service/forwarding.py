@@ -178,7 +178,7 @@ class Forwarder:
             # a fallback engine's prefix match is not known: its whole prompt counts
             fallback = name != decision.engine
             uncached = decision.uncached_tokens + (decision.cached_tokens if fallback else 0)
-            ticket = self.cluster.sent(name, uncached)
+            ticket = self.cluster.sent(name, uncached, decision.cached_tokens + decision.uncached_tokens)
             try:
                 async with asyncio.timeout(t.first_byte_s):
                     response = await self.upstream.session.post(

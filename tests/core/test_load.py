@@ -85,3 +85,38 @@ def test_merge(running: int, own: EngineCounts, decoding: int, backlog: int) -> 
     v = merge(view(running=running), own)
     assert (v.decoding, v.prefill_backlog_tokens) == (decoding, backlog)
     assert (v.running, v.name) == (running, "a")
+
+
+def test_in_flight_tokens_count_from_sending_to_finishing() -> None:
+    """The whole prompt counts from ``sent`` until ``finished`` (or a non-streamed answer's last
+    byte), whatever the phase; it never goes below the uncached tokens; merge copies it."""
+    load = InflightLoad(["a"])
+    t1 = load.sent("a", 100, 5000)
+    t2 = load.sent("a", 700, 300)  # a prompt smaller than its uncached part: the uncached count
+    assert load.of("a").tokens == 5700
+    load.first_byte(t1)
+    assert load.of("a").tokens == 5700
+    assert merge(view(), load.of("a")).inflight_tokens == 5700
+    load.finished(t1)
+    load.finished(t1)
+    assert load.of("a").tokens == 700
+    load.first_byte(t2, decoding=False)
+    load.finished(t2)
+    assert load.of("a") == EngineCounts()
+    assert merge(view(), load.of("a")).inflight_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("kv_usage", "pinned", "tokens", "capacity", "expected"),
+    [
+        (0.3, 0.0, 0, 100, 0.3),  # no ledger: the gauge
+        (0.3, 0.2, 0, 100, 0.1),  # soft pins yield
+        (0.1, 0.0, 64 * 40, 100, 0.4),  # in flight but not yet in the gauge: the ledger leads
+        (0.5, 0.0, 64 * 40, 100, 0.5),  # the gauge counts more (other replicas): the gauge
+        (0.1, 0.0, 64 * 40 + 1, 100, 0.41),  # a partial block is a block
+        (0.1, 0.0, 64 * 40, 0, 0.1),  # capacity unknown: the gauge
+    ],
+)
+def test_kv_share(kv_usage: float, pinned: float, tokens: int, capacity: int, expected: float) -> None:
+    v = view(kv_usage=kv_usage, pinned_share=pinned, inflight_tokens=tokens, capacity_blocks=capacity)
+    assert v.kv_share(64) == pytest.approx(expected)

@@ -266,11 +266,23 @@ def cap(name: str, kv_usage: float, capacity_blocks: int = 100) -> EngineView:
     return eng(name, kv_usage=kv_usage, capacity_blocks=capacity_blocks)
 
 
-def sticky_route(engines: list[EngineView], held: dict[str, int], prompt_blocks: int = 20) -> tuple[str, str]:
-    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=0)
+def sticky_route(
+    engines: list[EngineView],
+    held: dict[str, int],
+    prompt_blocks: int = 20,
+    tok_s: float = 0.0,
+    home: str | None = "a",
+) -> tuple[str, str]:
+    """``tok_s`` 0: the fit check at a full cache alone (no decode knee)."""
+    session = SessionView("s", home=home, pool="warm", turns=3, context_tokens=0) if home else None
     matches = {k: PrefixMatch(v, v, float(v)) for k, v in held.items()}
-    r = RouteRequest(model="m", prompt_tokens=64 * prompt_blocks, block_size=64, session_id="s")
-    return route("agentic", engines, r, session=session, matches=matches)
+    r = RouteRequest(
+        model="m", prompt_tokens=64 * prompt_blocks, block_size=64, session_id="s" if home else None
+    )
+    d = Router(RoutingParams(profile="agentic", interactivity_tok_s=tok_s)).route(
+        r, Snapshot(engines=tuple(engines), matches=matches, session=session)
+    )
+    return d.engine, d.reason
 
 
 def test_sticky_stays_home_when_the_turn_fits() -> None:
@@ -292,3 +304,101 @@ def test_sticky_home_full_of_soft_pins_still_holds_the_turn() -> None:
 
 def test_sticky_leaves_a_cold_home() -> None:
     assert sticky_route([cap("a", 0.1), cap("b", 0.1)], {"a": 2, "b": 19}) == ("b", "rehome_cold")
+
+
+# prompts of 10 blocks on engines of 100 (0.1 of the KV each); the default cost model's decode
+# knee at 50 tok/s is u = 0.31
+@pytest.mark.parametrize(
+    ("engines", "held", "prompt_blocks", "home", "expected", "why"),
+    [
+        ([cap("a", 0.15), cap("b", 0.0)], {"a": 9}, 10, "a", ("a", "sticky"), "0.25 at home: under the knee"),
+        (
+            [cap("a", 0.25), cap("b", 0.0)],
+            {"a": 9},
+            10,
+            "a",
+            ("b", "kv_balance"),
+            "0.35 at home: past the knee, b stays under it",
+        ),
+        (
+            [cap("a", 0.25), cap("b", 0.25), cap("c", 0.3)],
+            {"a": 9},
+            10,
+            "a",
+            ("a", "sticky"),
+            "past the knee everywhere: keep the home",
+        ),
+        (
+            [cap("a", 0.25), cap("b", 0.05), cap("c", 0.15)],
+            {"a": 9, "c": 8},
+            10,
+            "a",
+            ("c", "kv_balance"),
+            "of the engines under the knee, the one that recomputes least",
+        ),
+        (
+            [cap("a", 0.0), cap("b", 0.0)],
+            {"a": 39},
+            40,
+            "a",
+            ("a", "sticky"),
+            "a turn past the knee on its own stays home (it is slow anywhere)",
+        ),
+        (
+            [eng("a", kv_usage=0.5, capacity_blocks=100, pinned_share=0.4), cap("b", 0.0)],
+            {"a": 9},
+            10,
+            "a",
+            ("a", "sticky"),
+            "soft pins yield: 0.1 unpinned + 0.1",
+        ),
+        (
+            [cap("a", 0.25), cap("b", 0.0)],
+            {"a": 9},
+            10,
+            None,
+            ("b", "kv_balance"),
+            "no session: the best-scored engine (prefix) is past the knee",
+        ),
+        (
+            [
+                cap("a", 0.05),
+                eng("b", kv_usage=0.0, capacity_blocks=100, inflight_tokens=64 * 25),
+                cap("c", 0.1),
+            ],
+            {"a": 9, "b": 9},
+            10,
+            "a",
+            ("a", "sticky"),
+            "home under the knee",
+        ),
+        (
+            [eng("a", kv_usage=0.05, capacity_blocks=100, inflight_tokens=64 * 25), cap("b", 0.0)],
+            {"a": 9},
+            10,
+            "a",
+            ("b", "kv_balance"),
+            "the gauge says 0.05 but 25 blocks are in flight to the home: 0.35 with the turn",
+        ),
+        (
+            [cap("a", 0.1), cap("b", 0.0)],
+            {"a": 9},
+            10,
+            None,
+            ("a", "prefix"),
+            "no session, best-scored engine under the knee",
+        ),
+    ],
+)
+def test_sticky_keeps_decoding_kv_under_the_knee(engines, held, prompt_blocks, home, expected, why) -> None:  # type: ignore[no-untyped-def]
+    assert sticky_route(engines, held, prompt_blocks, tok_s=50.0, home=home) == expected, why
+
+
+def test_the_decode_knee_is_on_by_default_and_off_at_zero() -> None:
+    assert RoutingParams().interactivity_tok_s == 50.0
+    engines = [cap("a", 0.25), cap("b", 0.0)]
+    assert sticky_route(engines, {"a": 9}, 10, tok_s=RoutingParams().interactivity_tok_s) == (
+        "b",
+        "kv_balance",
+    )
+    assert sticky_route(engines, {"a": 9}, 10, tok_s=0.0) == ("a", "sticky")

@@ -40,10 +40,17 @@ def eng(name: str, role: PoolRole = PoolRole.WARM, **kw: object) -> EngineView:
         (lambda: COST.interference_s(eng("w", decoding=4), 2000), 0.16),
         (lambda: COST.move_s(5000), 0.5),
         (lambda: EngineCost(move_bytes_per_s=0).move_s(5000), 0.0),
+        # the decode knee: the KV use where a step reaches 1000 / tok_s ms
+        (lambda: EngineCost().decode_knee(50.0), 0.3097),  # mocker: 5.74 + 54.01u - 25.74u^2 = 20
+        (lambda: EngineCost(decode_ms=(10.0, 20.0, 0.0)).decode_knee(50.0), 0.5),  # 10 + 20u = 20
+        (lambda: EngineCost(decode_ms=(10.0, 20.0, 0.0)).decode_knee(20.0), 1.0),  # 30 ms <= 50 ms
+        (lambda: COST.decode_knee(40.0), 1.0),  # a flat 20 ms step is always under 25 ms
+        (lambda: COST.decode_knee(60.0), 0.0),  # ... and always over 16.7 ms
+        (lambda: COST.decode_knee(0.0), 1.0),  # no target
     ],
 )
 def test_engine_cost_formulas(quantity, expected) -> None:  # type: ignore[no-untyped-def]
-    assert quantity() == pytest.approx(expected)
+    assert quantity() == pytest.approx(expected, abs=1e-4)
 
 
 F = eng("f0", PoolRole.FIRST_TURN)

@@ -23,6 +23,10 @@ Derived quantities (seconds):
   ``e`` waits for each chunk of the new prefill that shares its pass, i.e. the pass-time increase
   summed over the chunks, times the number of sequences that pay it (sequence-seconds).
 - ``move_s(n) = n * kv_bytes_per_token / move_bytes_per_s``: moving ``n`` tokens of KV.
+- ``decode_knee(r)``: the KV use ``u`` at which a decode step reaches ``1000 / r`` ms, i.e. past
+  which a sequence decodes slower than ``r`` tokens/s (the largest ``u`` in [0, 1] with
+  ``decode_ms(u) <= 1000 / r``; 0 when even an empty engine is slower, 1 when a full one is
+  faster). The mocker's step at 50 tok/s: ``u = 0.31``.
 """
 
 from __future__ import annotations
@@ -60,9 +64,7 @@ class EngineCost:
     def step_s(self, view: EngineView) -> float:
         if view.decoding <= 0:
             return 0.0
-        d0, d1, d2 = self.decode_ms
-        u = view.kv_usage
-        return max(1.0, d0 + d1 * u + d2 * u * u) / 1000.0
+        return self.decode_step_ms(view.kv_usage) / 1000.0
 
     def wait_s(self, view: EngineView) -> float:
         b = view.prefill_backlog_tokens
@@ -73,6 +75,27 @@ class EngineCost:
 
     def interference_s(self, view: EngineView, uncached: int) -> float:
         return max(0, view.decoding) * self.prefill_s(uncached)
+
+    def decode_step_ms(self, u: float) -> float:
+        d0, d1, d2 = self.decode_ms
+        return max(1.0, d0 + d1 * u + d2 * u * u)
+
+    def decode_knee(self, tok_s: float) -> float:
+        if tok_s <= 0:
+            return 1.0
+        target = 1000.0 / tok_s
+        if self.decode_step_ms(0.0) > target:
+            return 0.0
+        if self.decode_step_ms(1.0) <= target:
+            return 1.0
+        lo, hi = 0.0, 1.0  # step(lo) <= target < step(hi); the fitted steps rise with u
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if self.decode_step_ms(mid) <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def move_s(self, tokens: int) -> float:
         if self.move_bytes_per_s <= 0:

@@ -7,13 +7,21 @@
 - ``session_hash``: rendezvous (highest-random-weight) hashing of the session id over candidates:
   a session sticks to one engine and only 1/n of sessions move when an engine leaves. Requests
   without a session fall back to round-robin.
-- ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request, warm_frac, kv_high)``:
-  ours. Two checks first: a home that holds less than ``warm_frac`` of the best prefix match any
-  engine has gives up its claim (the weighted scores decide, ``rehome_cold``); a home that cannot
-  hold the turn (``unpinned_usage + ceil(prompt / block) / capacity_blocks > kv_high``, capacity known)
-  sends it to the cheapest engine where it fits (``kv_overflow``: without this, a sticky home
-  collects sessions it cannot hold and preempts, measured in the simulator). Then, if the
-  home's queue <= ``max_queue``, stay (reason ``sticky``). Otherwise estimate
+- ``sticky_bounded(max_queue, prefill_s_per_token, queue_s_per_request, warm_frac, kv_high,
+  decode_kv_high)``: ours. Three checks first: a home that holds less than ``warm_frac`` of the
+  best prefix match any engine has gives up its claim (the weighted scores decide,
+  ``rehome_cold``); a home that cannot hold the turn (``kv_share + ceil(prompt / block) /
+  capacity_blocks > kv_high``, capacity known; ``EngineView.kv_share``: the unpinned usage, or
+  the gateway's in-flight prompt tokens when more) sends it to the cheapest engine where it fits
+  (``kv_overflow``: without this, a sticky home collects sessions it cannot hold and preempts,
+  measured in the simulator); a home where the turn would push the KV use past
+  ``decode_kv_high`` (the cost model's decode knee for the interactivity target,
+  :meth:`~gateway.core.policies.cost.EngineCost.decode_knee`: every sequence decoding there would
+  fall under it) sends it to the cheapest engine where it stays under (``kv_balance``), when one
+  exists; a turn too big to stay under anywhere keeps its home. The same knee applies to a
+  request without a home: when the best-scored engine is past it and another is not, the
+  cheapest of those below wins (``kv_balance``). Then, if the home's queue <= ``max_queue``,
+  stay (reason ``sticky``). Otherwise estimate
   each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
   queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
   candidate whose estimate is lower than home's (reason ``sticky_overflow``). A home that the
@@ -79,9 +87,11 @@ def _cached_tokens(req: RouteRequest, snap: Snapshot, engine: str) -> int:
     return min(req.prompt_tokens, m.blocks * req.block_size) if m else 0
 
 
-def _fits(view: EngineView, blocks: int, kv_high: float) -> bool:
+def _fits(view: EngineView, req: RouteRequest, kv_high: float) -> bool:
+    """Would the whole prompt stay under ``kv_high`` of the engine's KV (capacity known)?"""
     cap = view.capacity_blocks
-    return cap <= 0 or view.unpinned_usage + blocks / cap <= kv_high
+    blocks = -(-req.prompt_tokens // max(1, req.block_size))
+    return cap <= 0 or view.kv_share(req.block_size) + blocks / cap <= kv_high
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,7 @@ class StickyBounded:
     queue_s_per_request: float
     warm_frac: float = 0.5
     kv_high: float = 1.0
+    decode_kv_high: float = 1.0
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
@@ -98,21 +109,40 @@ class StickyBounded:
         uncached = req.prompt_tokens - _cached_tokens(req, snap, engine)
         return uncached * self.prefill_s_per_token + view.queue * self.queue_s_per_request
 
+    def _below_knee(
+        self,
+        req: RouteRequest,
+        snap: Snapshot,
+        views: dict[str, EngineView],
+        natural: Candidate,
+        candidates: Sequence[Candidate],
+    ) -> Pick | None:
+        """``kv_balance``: the cheapest engine where the turn stays under the decode knee, when
+        ``natural`` (the home, or the best score) is past it; None to keep ``natural``."""
+        if self.decode_kv_high >= self.kv_high or _fits(views[natural.engine], req, self.decode_kv_high):
+            return None
+        room = [c for c in candidates if _fits(views[c.engine], req, self.decode_kv_high)]
+        if not room:
+            return None
+        return Pick(min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total)), "kv_balance")
+
     def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
         home = snap.session.home if snap.session else None
         by_name = {c.engine: c for c in candidates}
         if home is not None and home in by_name:
             views = {e.name: e for e in snap.engines}
-            blocks = -(-req.prompt_tokens // req.block_size)
             best = max((m.blocks for m in snap.matches.values()), default=0)
             held = snap.matches[home].blocks if home in snap.matches else 0
             if best > 0 and held < self.warm_frac * best:
                 return Pick(MaxScore().pick(req, snap, candidates).candidate, "rehome_cold")
-            if not _fits(views[home], blocks, self.kv_high):
-                room = [c for c in candidates if _fits(views[c.engine], blocks, self.kv_high)]
+            if not _fits(views[home], req, self.kv_high):
+                room = [c for c in candidates if _fits(views[c.engine], req, self.kv_high)]
                 if room:
                     target = min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
                     return Pick(target, "kv_overflow")
+            balanced = self._below_knee(req, snap, views, by_name[home], candidates)
+            if balanced is not None:
+                return balanced
             if views[home].queue <= self.max_queue:
                 return Pick(by_name[home], "sticky")
             home_cost = self._cost(req, snap, home)
@@ -121,6 +151,11 @@ class StickyBounded:
                 return Pick(cheapest, "sticky_overflow")
             return Pick(by_name[home], "sticky")
         top = MaxScore().pick(req, snap, candidates)
+        if len(candidates) > 1:
+            views = {e.name: e for e in snap.engines}
+            balanced = self._below_knee(req, snap, views, top.candidate, candidates)
+            if balanced is not None:
+                return balanced
         if home is not None:
             return Pick(top.candidate, "rehome")
         if req.is_subagent and top.candidate.scores.get("parent_prefix", 0.0) > 0:

@@ -25,7 +25,7 @@ engine; the filter returns the engines of the cheaper side (ties: warm), so:
 - a warm turn stays warm (its uncached tokens are few at home) unless its home is so backed up
   that an idle first-turn engine recomputing the whole prompt plus the move is cheaper.
 
-An engine whose KV cannot hold the prompt (``unpinned_usage + ceil(prompt / block) / capacity_blocks
+An engine whose KV cannot hold the prompt (``kv_share + ceil(prompt / block) / capacity_blocks
 > kv_high``, capacity known) is priced only if no engine can. With one role present (one pool,
 or no engine of the other role left) the filter keeps its input.
 """
@@ -78,7 +78,10 @@ class CostSplit:
         blocks = -(-req.prompt_tokens // max(1, req.block_size))
 
         def fits(e: EngineView) -> bool:
-            return e.capacity_blocks <= 0 or e.unpinned_usage + blocks / e.capacity_blocks <= self.kv_high
+            return (
+                e.capacity_blocks <= 0
+                or e.kv_share(req.block_size) + blocks / e.capacity_blocks <= self.kv_high
+            )
 
         priced = {e.name for e in engines if fits(e)} or {e.name for e in engines}
 
