@@ -113,8 +113,9 @@ def test_sigterm_drain_on_messages_and_responses(tmp_path: Path) -> None:
             while len(late) < len(routes) and time.monotonic() < deadline and proc.poll() is None:
                 try:
                     if httpx.get(url + "/ready", timeout=5).status_code == 503:
-                        for r in routes:
-                            late[r] = httpx.post(url + r, json=_body(r, 4, stream=True), timeout=5)
+                        for route in routes:
+                            body = _body(route, 4, stream=True)
+                            late[route] = httpx.post(url + route, json=body, timeout=5)
                 except httpx.ConnectError:
                     refused = True  # the listener is closed: an accepted answer too
                     break
@@ -131,15 +132,15 @@ def test_sigterm_drain_on_messages_and_responses(tmp_path: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     if "/v1/messages" in late:
-        r = late["/v1/messages"]
-        assert r.status_code == 503 and r.headers["retry-after"], r.text
-        doc = r.json()
+        lm = late["/v1/messages"]
+        assert lm.status_code == 503 and lm.headers["retry-after"], lm.text
+        doc = lm.json()
         assert doc["type"] == "error" and doc["error"]["type"] == "overloaded_error", doc
         assert "shutting down" in doc["error"]["message"]
     if "/v1/responses" in late:
-        r = late["/v1/responses"]
-        assert r.status_code == 503 and r.headers["retry-after"], r.text
-        assert r.json()["error"]["code"] == "shutting_down", r.text
+        lr = late["/v1/responses"]
+        assert lr.status_code == 503 and lr.headers["retry-after"], lr.text
+        assert lr.json()["error"]["code"] == "shutting_down", lr.text
 
     # the short streams finished inside the deadline: their API's last event, no error
     m, rs = short["/v1/messages"], short["/v1/responses"]
