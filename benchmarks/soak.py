@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.real:
         for i in range(args.engines):
             port = free_port()
-            argv = [
+            eargv = [
                 sys.executable,
                 "-m",
                 "benchmarks.fake_engine",
@@ -571,9 +571,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--model",
                 FAKE_MODEL,
             ]
-            argv += ["--tokens", str(args.max_tokens), "--itl-ms", str(args.itl_ms)]
+            eargv += ["--tokens", str(args.max_tokens), "--itl-ms", str(args.itl_ms)]
             engines.append(
-                Proc(f"engine{i}", argv, f"http://127.0.0.1:{port}/health", work / f"engine{i}.log")
+                Proc(f"engine{i}", eargv, f"http://127.0.0.1:{port}/health", work / f"engine{i}.log")
             )
         cfg["pools"] = [
             {

@@ -378,7 +378,8 @@ class GenerationEndpoint:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            svc.cluster.record_connect_failure(up.engine)  # died or froze: towards ejection
+            # died or froze: ejected; whether it still listens, the next probe says
+            svc.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
             tail = (
                 self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")

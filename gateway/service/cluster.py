@@ -225,11 +225,15 @@ class Cluster:
                 self._changed()
                 self._ejected(name)
 
-    def record_connect_failure(self, name: str) -> None:
-        """Passive health: a refused connection ejects at once (no need to wait for probes)."""
+    def record_connect_failure(self, name: str, refused: bool = True) -> None:
+        """Passive health: a failed connection ejects at once (no need to wait for probes).
+        ``refused``: nothing listens (ECONNREFUSED), so even a panicking pool leaves it out; a
+        connect timeout, a reset or a stream that broke off does not prove that (under a loop
+        stall every engine's connects time out: marking them all refused emptied the pool,
+        503 ``no_healthy_engine`` with every engine alive), and the next probe says."""
         s = self.engines[name]
         s.successes = 0
-        s.refused = True
+        s.refused = refused
         self._changed()
         s.failures = max(s.failures + 1, self._config.limits.eject_after_failures)
         if s.healthy:

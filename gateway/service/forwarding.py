@@ -36,6 +36,14 @@ log = logging.getLogger("agentgw.forwarding")
 _DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
 
 
+def _refused(exc: BaseException) -> bool:
+    """Did the engine refuse the connection (nothing listens)? A timeout, a reset or a closed
+    keep-alive connection does not say so."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return isinstance(exc.os_error, ConnectionRefusedError)
+    return not isinstance(exc, (TimeoutError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+
+
 @dataclass(slots=True)
 class Relay:
     """An open upstream response being relayed."""
@@ -185,7 +193,7 @@ class Forwarder:
             except CONNECT_ERRORS as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
-                self.cluster.record_connect_failure(name)
+                self.cluster.record_connect_failure(name, refused=_refused(exc))
                 self.metrics.upstream_errors.labels(name, "connect").inc()
                 log.warning("connect to %s failed: %r", name, exc)
                 last = exc
