@@ -73,9 +73,26 @@ class Wire:
     stream (Codex drops the connection at ``response.completed``) is not a 499."""
 
 
-async def read_body(receive: Any, limit: int, claim: Claim | None = None) -> bytes:
+def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's ``content-length`` (None: absent or not a number; the server checks it)."""
+    for k, v in headers:
+        if k == b"content-length":
+            return int(v) if v.isdigit() else None
+    return None
+
+
+async def read_body(
+    receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
+) -> bytes:
     """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
-    (503; the claim holds the bytes read until it is released)."""
+    (503; the claim holds the bytes until it is released). A ``declared`` length is checked
+    and claimed whole before a byte is read (a client announcing a body that cannot fit is
+    refused at once); a chunked body is claimed as it arrives."""
+    if declared is not None:
+        if declared > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        if claim is not None:
+            claim.take(declared)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -86,7 +103,7 @@ async def read_body(receive: Any, limit: int, claim: Claim | None = None) -> byt
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None and chunk:
+        if claim is not None and chunk and (declared is None or size > declared):
             claim.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
@@ -200,9 +217,11 @@ class GenerationEndpoint:
     ) -> None:
         wire = self.wire
         t0 = time.perf_counter()
+        raw: bytes | None = None
         try:
             tenant = svc.tenants.authenticate(scope["headers"])
-            raw = await read_body(receive, svc.config.limits.max_body_bytes, claim)
+            limit = svc.config.limits.max_body_bytes
+            raw = await read_body(receive, limit, claim, declared_length(scope["headers"]))
             parsed = wire.parse(raw)
             plan = await svc.plan(parsed, raw, scope["headers"], tenant)
         except ConnectionAbortedError:
@@ -210,7 +229,10 @@ class GenerationEndpoint:
         except (ApiError, *SERVICE_ERRORS) as exc:
             err = exc if isinstance(exc, ApiError) else to_api_error(exc)
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            await send_error(send, err, render=wire.render_error)
+            # refused before its body was read (401, 413, the body budget's 503): close the
+            # connection rather than read and discard the rest of the body to keep it alive
+            unread = [(b"connection", b"close")] if raw is None else None
+            await send_error(send, err, unread, render=wire.render_error)
             return
         interactive = plan.analysis.hints.interactive
         async with contextlib.AsyncExitStack() as admitted:
