@@ -65,16 +65,20 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(400, "content-length is not a number", None, "invalid_request") from None
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
+    else:
+        size = None
     chunks: list[bytes] = []
     total = 0
     budget: BodyBudget | None = getattr(request.app.state, "bodies", None)
     claim = budget.claim() if budget is not None else None  # held while the body streams in
     try:
+        if claim is not None and size is not None:
+            claim.take(size)  # a declared length: claimed whole before a byte is read
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
                 raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
-            if claim is not None and chunk:
+            if claim is not None and chunk and (size is None or total > size):
                 claim.take(len(chunk))
             chunks.append(chunk)
     finally:

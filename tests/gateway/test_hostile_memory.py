@@ -75,8 +75,8 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
     assert httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
     assert _held(gw) == 0  # an answered request gave its bytes back
 
-    # a client holds 3/4 of the budget with a half-sent body
-    hog = _half_body(gw, "/v1/chat/completions", 2 * BUDGET, 3 * BUDGET // 4)
+    # a client announces 3/4 of the budget and sends a third of that: all of it is claimed
+    hog = _half_body(gw, "/v1/chat/completions", 3 * BUDGET // 4, BUDGET // 4)
     try:
         _wait_held(gw, 3 * BUDGET // 4)
         big = "x" * (BUDGET // 2)
@@ -87,20 +87,31 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
         )
         assert r.status_code == 503 and r.headers["retry-after"], r.text
         assert r.json()["error"]["code"] == "overloaded", r.text
+        assert r.headers["connection"] == "close"  # refused before its body was read
         msgs = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": big}]}
         r = httpx.post(gw.url + "/v1/messages", json=msgs, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"], r.text
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error", r.text
+
+        # a chunked body (no length announced) is claimed as it arrives
+        def chunks() -> Iterator[bytes]:
+            yield b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "'
+            for _ in range(8):
+                yield b"x" * (BUDGET // 16)
+            yield b'"}]}'
+
+        r = httpx.post(gw.url + "/v1/chat/completions", content=chunks(), timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
         # the refused reads gave their bytes back; a small request still fits
         _wait_held(gw, 3 * BUDGET // 4)
         assert httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
-        assert gw.app.state.bodies.refused >= 2
+        assert gw.app.state.bodies.refused >= 3
     finally:
         hog.close()
     _wait_held(gw, 0)  # the client left mid-body: its bytes given back
 
     # the session API's bodies take from the same budget
-    hog = _half_body(gw, "/v1/chat/completions", 2 * BUDGET, BUDGET - 16_384)
+    hog = _half_body(gw, "/v1/chat/completions", BUDGET - 16_384, 1024)
     try:
         _wait_held(gw, BUDGET - 16_384)
         r = httpx.post(
