@@ -247,8 +247,8 @@ class Liveness:
                     conn = None
                 if conn is None:
                     conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 5)
+                last = time.monotonic()  # before the request: the server's idle timer starts later
                 ok = await asyncio.wait_for(_health(*conn, close=False), 5)
-                last = time.monotonic()
                 self.kept["200" if ok else "not 200"] += 1
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
                 self.kept[type(exc).__name__] += 1
