@@ -179,6 +179,11 @@ async def slow_body(w: asyncio.StreamWriter, closed: asyncio.Event) -> None:
 
 
 # -- the gateway's liveness -----------------------------------------------------------------------
+PROBE_WAIT_S = 15.0
+"""How long a probe waits for its connection or answer before it counts as unanswered (a bound
+on a loaded machine, not a latency target: the latency is reported)."""
+
+
 async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, close: bool) -> bool:
     conn = b"connection: close\r\n" if close else b""
     writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n" + conn + b"\r\n")
@@ -225,9 +230,9 @@ class Liveness:
         while not self.stop.is_set():
             t0 = time.monotonic()
             try:
-                r, w = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 5)
+                r, w = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), PROBE_WAIT_S)
                 try:
-                    ok = await asyncio.wait_for(_health(r, w, close=True), 5)
+                    ok = await asyncio.wait_for(_health(r, w, close=True), PROBE_WAIT_S)
                 finally:
                     w.close()
                 self.fresh["200" if ok else "not 200"] += 1
@@ -246,9 +251,9 @@ class Liveness:
                     conn[1].close()  # idle for long: renewed, as a pooling client does
                     conn = None
                 if conn is None:
-                    conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 5)
+                    conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), PROBE_WAIT_S)
                 last = time.monotonic()  # before the request: the server's idle timer starts later
-                ok = await asyncio.wait_for(_health(*conn, close=False), 5)
+                ok = await asyncio.wait_for(_health(*conn, close=False), PROBE_WAIT_S)
                 self.kept["200" if ok else "not 200"] += 1
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
                 self.kept[type(exc).__name__] += 1
@@ -268,12 +273,12 @@ class Liveness:
         while not self.stop.is_set():
             try:
                 if conn is None:
-                    conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), 5)
+                    conn = await asyncio.wait_for(asyncio.open_connection(HOST, self.port), PROBE_WAIT_S)
                 r, w = conn
                 w.write(req)
                 await w.drain()
-                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
-                await asyncio.wait_for(_read_body(r, head), 10)
+                head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), PROBE_WAIT_S)
+                await asyncio.wait_for(_read_body(r, head), PROBE_WAIT_S)
                 self.chat[head[9:12].decode()] += 1
                 if b"\r\nconnection: close" in head.lower():  # a refusal closes the connection
                     w.close()
@@ -387,17 +392,17 @@ def phases(a: argparse.Namespace) -> list[Phase]:
 EXPECTED = {
     "idle": {"408"},
     "keepalive": {"200"},
-    "slowloris": {"408"},
+    "slowloris": {"408", "closed"},
     "oversize": {"431", "closed"},
     "half-bodies": {"408", "503", "closed"},
-    "slow-bodies": {"408"},
+    "slow-bodies": {"408", "closed"},
     "flood": {"408", "503"},
 }
 """Each phase's acceptable outcomes. keepalive: the 200 was read, then the server closed the idle
-connection (any socket still open at the phase's end is ``open``, a violation). oversize and
-half-bodies: the 431 / 503, or a reset that lost it (the server answers and closes with the rest
-of the request unread, so its TCP stack may send a RST that discards the answer before the client
-reads it)."""
+connection (any socket still open at the phase's end is ``open``, a violation). slowloris,
+oversize, half-bodies, slow-bodies: the 408 / 431 / 503, or a reset that lost it (the server
+answers and closes while the client is still sending, so its TCP stack may send a RST that
+discards the answer before the client reads it)."""
 
 
 def violations(report: dict[str, Any], rss_slack_mib: float) -> list[str]:
