@@ -7,6 +7,11 @@ the engine behind it:
   SSE chunks (16 by default, capped by the request's ``max_tokens``), a usage chunk when
   ``stream_options.include_usage`` is set, then ``data: [DONE]``; otherwise one JSON body.
   ``prompt_tokens`` is estimated as body bytes / 4 (no tokenizer).
+- ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI Responses), as vLLM serves
+  them: ``stream: true`` gives their typed SSE events (``message_start`` ... ``content_block_delta``
+  per token ... ``message_stop``; ``response.created``, ``response.output_text.delta`` per token,
+  ``response.completed``), paced like the chat stream; otherwise one JSON body. ``max_tokens`` /
+  ``max_output_tokens`` cap the tokens as above.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, labelled ``model_name``).
 
@@ -47,6 +52,15 @@ def _sse(obj: object) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+_ROUTES = (
+    b"/v1/chat/completions",
+    b"/v1/completions",
+    b"/v1/messages",
+    b"/v1/responses",
+    b"/health",
+    b"/v1/models",
+    b"/metrics",
+)
 _LAST_CHUNK = b"0\r\n\r\n"
 _DONE_CHUNK = _chunk(_DONE) + _LAST_CHUNK
 
@@ -217,6 +231,95 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _typed(event: str, obj: dict[str, object]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps({"type": event, **obj}) + b"\n\n"
+
+
+def _messages(
+    model: str, rid: str, prompt_tokens: int, n: int, created: int, capped: bool
+) -> tuple[bytes, list[bytes]]:
+    """Anthropic Messages: the whole message, and its stream's events (a text delta per token).
+    ``capped``: ``max_tokens`` ended it (``stop_reason: max_tokens``), else ``end_turn``."""
+    del created
+    stop = "max_tokens" if capped else "end_turn"
+    words = [f" word{i}" for i in range(n)]
+    message: dict[str, object] = {
+        "id": "msg_" + rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
+    full = {
+        **message,
+        "content": [{"type": "text", "text": "".join(words)}],
+        "stop_reason": stop,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": n},
+    }
+    events = [
+        _typed("message_start", {"message": message}),
+        _typed("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        *(
+            _typed("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": w}})
+            for w in words
+        ),
+        _typed("content_block_stop", {"index": 0}),
+        _typed(
+            "message_delta",
+            {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": {"output_tokens": n}},
+        ),
+        _typed("message_stop", {}),
+    ]
+    return orjson.dumps(full), events
+
+
+def _responses(
+    model: str, rid: str, prompt_tokens: int, n: int, created: int, capped: bool
+) -> tuple[bytes, list[bytes]]:
+    """OpenAI Responses: the whole response, and its stream's events (a text delta per token).
+    ``capped``: ``max_output_tokens`` ended it (``incomplete``), else ``completed``."""
+    status = "incomplete" if capped else "completed"
+    words = [f" word{i}" for i in range(n)]
+    item_id = "msg_" + rid
+    response: dict[str, object] = {
+        "id": "resp_" + rid,
+        "object": "response",
+        "created_at": created,
+        "status": "in_progress",
+        "model": model,
+        "output": [],
+        "usage": None,
+    }
+    done = {
+        **response,
+        "status": status,
+        "incomplete_details": {"reason": "max_output_tokens"} if capped else None,
+        "output": [
+            {
+                "type": "message",
+                "id": item_id,
+                "role": "assistant",
+                "status": status,
+                "content": [{"type": "output_text", "text": "".join(words), "annotations": []}],
+            }
+        ],
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": n, "total_tokens": prompt_tokens + n},
+    }
+    events = [_typed("response.created", {"sequence_number": 0, "response": response})]
+    events += [
+        _typed(
+            "response.output_text.delta",
+            {"sequence_number": i + 1, "item_id": item_id, "output_index": 0, "content_index": 0, "delta": w},
+        )
+        for i, w in enumerate(words)
+    ]
+    events.append(_typed(f"response.{status}", {"sequence_number": n + 1, "response": done}))
+    return orjson.dumps(done), events
+
+
 def _error_body(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": err_type, "param": param, "code": status}})
 
@@ -290,13 +393,15 @@ class FakeEngineProtocol(asyncio.Protocol):
         elif method == b"POST" and path == b"/release" and self.state.hold is not None:
             self.state.hold.set()  # every held stream goes on, and later ones are not held
             self._reply(200, b"{}")
+        elif method == b"POST" and path in (b"/v1/messages", b"/v1/responses"):
+            self._generate_typed(body, path.decode())
         elif method == b"GET" and path == b"/health":
             self._reply(200, b"", content_type=b"text/plain")
         elif method == b"GET" and path == b"/v1/models":
             self._reply(200, self.state.models_body)
         elif method == b"GET" and path == b"/metrics":
             self._reply(200, self.state.metrics_body(), content_type=b"text/plain; version=0.0.4")
-        elif path in (b"/v1/chat/completions", b"/v1/completions", b"/health", b"/v1/models", b"/metrics"):
+        elif path in _ROUTES:
             self._reply(405, _error_body(405, "method not allowed", "MethodNotAllowed"))
         else:
             self.state.num_unknown_paths += 1
@@ -346,6 +451,43 @@ class FakeEngineProtocol(asyncio.Protocol):
         if usage is not None:
             events.append(usage)
         events.append(_DONE)
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self._delayed = asyncio.get_running_loop().create_task(self._paced(head, events))
+
+    def _generate_typed(self, body: bytes, route: str) -> None:
+        """``/v1/messages`` or ``/v1/responses``: their own events and bodies (not a hot path)."""
+        state = self.state
+        try:
+            req = orjson.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError("the body must be a JSON object")
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            self._reply(400, _error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
+            return
+        model = req.get("model")
+        if model is not None and model != state.model:
+            msg = f"The model `{model}` does not exist."
+            self._reply(404, _error_body(404, msg, "NotFoundError", "model"))
+            return
+        n = state.tokens
+        cap = req.get("max_tokens" if route == "/v1/messages" else "max_output_tokens")
+        if isinstance(cap, int) and 0 < cap < n:
+            n = cap
+        rid = state.next_id().decode()
+        prompt_tokens = max(1, len(body) // 4)
+        make = _messages if route == "/v1/messages" else _responses
+        full, events = make(state.model, rid, prompt_tokens, n, state.created, n < state.tokens)
+        if not req.get("stream"):
+            if state.ttft_s > 0:
+                self._delayed = asyncio.get_running_loop().create_task(self._late(full))
+                return
+            self._reply(200, full)
+            return
+        head = self._head(200, b"text/event-stream", None)
+        if state.ttft_s <= 0 and state.itl_s <= 0:
+            self._write(head + b"".join(_chunk(ev) for ev in events) + _LAST_CHUNK)
+            return
         assert self.transport is not None
         self.transport.pause_reading()
         self._delayed = asyncio.get_running_loop().create_task(self._paced(head, events))

@@ -65,6 +65,15 @@ FAKE_MODEL = "soak-model"
 SYSTEM = "You are a coding agent. Tools: read_file, run_tests, edit. " * 8
 
 
+SMALL_CAPS: dict[str, dict[str, Any]] = {
+    "sessions": {"capacity": 1000, "local_capacity": 1000},
+    "routing": {"index_capacity_blocks": 500},
+    "analysis": {"cache_bytes": 4 * 2**20, "session_tokens_bytes": 2**19},
+}
+"""``--small-caps``: every bounded table small enough that a few minutes of traffic fill it (the
+sessions also hold the Responses-API owner records; the index is per engine and per kind)."""
+
+
 # -- processes ------------------------------------------------------------------------------------
 class Proc:
     """A child process we may kill and start again on the same port."""
@@ -315,6 +324,27 @@ async def rss(c: Client) -> int | None:
     return None
 
 
+async def tables(c: Client) -> dict[str, float]:
+    """How full the gateway's bounded tables are, from the outside: sessions evicted at
+    ``sessions.capacity`` (``agentgw_session_evictions_total``), the prefix index's blocks per
+    engine (``/dashboard/state``: cached tokens / tokens a block), and the analysis workers' and
+    token caches' evictions when the metrics have them."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with c.http.get(c.url + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("agentgw_session_evictions_total{"):
+                    reason = line.split('reason="', 1)[1].split('"', 1)[0]
+                    out[f"sessions_evicted_{reason}"] = float(line.rsplit(" ", 1)[1])
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+        async with c.http.get(c.url + "/dashboard/state?sessions=0") as r:
+            state = await r.json()
+        for pool in state["pools"]:
+            for e in pool["engines"]:
+                out[f"index_tokens_{e['name']}"] = float(e["cached_tokens"]["total"])
+    return out
+
+
 async def faults(
     schedule: list[tuple[float, str, Any]], t0: float, down_s: float, log: list[dict[str, Any]]
 ) -> None:
@@ -338,7 +368,7 @@ async def faults(
 
 
 async def drive(
-    p: Plan, ttl_s: float, schedule: list[tuple[float, str, Any]], down_s: float
+    p: Plan, ttl_s: float, schedule: list[tuple[float, str, Any]], down_s: float, rss_every_s: float = 60.0
 ) -> dict[str, Any]:
     t = Tally()
     fault_log: list[dict[str, Any]] = []
@@ -356,15 +386,22 @@ async def drive(
             for i in range(p.sessions)
         ]
         fault_task = asyncio.create_task(faults(schedule, t0, down_s, fault_log))
+        series: list[dict[str, Any]] = [{"t_s": 0.0, "rss_mib": _mib(rss_start), **await tables(c)}]
+        next_sample = t0 + rss_every_s
         while time.monotonic() < end:
             await asyncio.sleep(min(2.0, max(0.0, end - time.monotonic())))
             now_rss = await rss(c)
             peak = max(peak, now_rss or 0)
+            if time.monotonic() >= next_sample:
+                next_sample += rss_every_s
+                at = round(time.monotonic() - t0, 1)
+                series.append({"t_s": at, "rss_mib": _mib(now_rss), "sent": t.sent, **await tables(c)})
         await asyncio.gather(*tasks)
         await fault_task
         wall = time.monotonic() - t0
         rss_end = await rss(c)
         peak = max(peak, rss_end or 0)
+        series.append({"t_s": round(wall, 1), "rss_mib": _mib(rss_end), "sent": t.sent, **await tables(c)})
         # TTL: every session idle for longer than the TTL must be gone
         now = time.monotonic()
         due = [sid for sid, at in t.idle.items() if now - at > ttl_s + 1.0]
@@ -399,6 +436,7 @@ async def drive(
         "ttft_p50_ms": _ms(ttft, 50),
         "ttft_p99_ms": _ms(ttft, 99),
         "faults": fault_log,
+        "rss_series": series,
         "reasons": dict(t.reasons.most_common(20)),
     }
 
@@ -453,6 +491,19 @@ def table(report: dict[str, Any], label: str) -> str:
     lines.append(
         f"| faults | {'; '.join(f['fault'] + ' @' + str(f['at_s']) + 's' for f in report['faults']) or 'none'} |"
     )
+    lines.append("")
+    lines.append(series_table(report["rss_series"]))
+    return "\n".join(lines)
+
+
+def series_table(series: list[dict[str, Any]]) -> str:
+    """RSS and table fill over time, one row a sample."""
+    cols = sorted({k for row in series for k in row} - {"t_s", "rss_mib", "sent"})
+    lines = ["| t (s) | RSS (MiB) | sent | " + " | ".join(cols) + " |", "|---" * (3 + len(cols)) + "|"]
+    for row in series:
+        cells = [str(row.get("t_s")), str(row.get("rss_mib")), str(row.get("sent", 0))]
+        cells += [f"{row[k]:g}" if k in row else "" for k in cols]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -475,6 +526,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real", action="store_true", help="real vLLM engines (agentgw serve's embedded ones)")
     ap.add_argument("--warm", type=int, default=2, help="--real: local engines")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rss-every", type=float, default=60.0, help="seconds between RSS samples")
+    ap.add_argument(
+        "--small-caps",
+        action="store_true",
+        help="small caps on every bounded table (SMALL_CAPS) so that a run fills them all",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        help="stand-in engines: a model directory the gateway tokenizes the prompts with "
+        "(exercises the token caches), e.g. /tmp/agentgw-test-models/tiny-llama",
+    )
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
 
@@ -491,11 +553,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "drain": {"deadline_s": 5},
     }
+    if args.small_caps:
+        for section, values in SMALL_CAPS.items():
+            cfg.setdefault(section, {}).update(values)
+    if args.tokenizer and not args.real:
+        cfg["models"] = [{"name": FAKE_MODEL, "tokenizer": args.tokenizer}]
     model = "tiny-llama" if args.real else FAKE_MODEL
     if not args.real:
         for i in range(args.engines):
             port = free_port()
-            argv = [
+            eargv = [
                 sys.executable,
                 "-m",
                 "benchmarks.fake_engine",
@@ -504,9 +571,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--model",
                 FAKE_MODEL,
             ]
-            argv += ["--tokens", str(args.max_tokens), "--itl-ms", str(args.itl_ms)]
+            eargv += ["--tokens", str(args.max_tokens), "--itl-ms", str(args.itl_ms)]
             engines.append(
-                Proc(f"engine{i}", argv, f"http://127.0.0.1:{port}/health", work / f"engine{i}.log")
+                Proc(f"engine{i}", eargv, f"http://127.0.0.1:{port}/health", work / f"engine{i}.log")
             )
         cfg["pools"] = [
             {
@@ -565,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             args.fan_out,
             args.seed,
         )
-        report = asyncio.run(drive(plan, args.ttl, schedule, args.down))
+        report = asyncio.run(drive(plan, args.ttl, schedule, args.down, args.rss_every))
     finally:
         exit_code = gateway.stop(60)
         for e in engines:

@@ -18,6 +18,7 @@ from starlette.routing import Match
 
 from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_routes
 from gateway.api.anthropic_routes import MESSAGES_WIRE
+from gateway.api.body_budget import BodyBudget
 from gateway.api.drain import Drain
 from gateway.api.openai_routes import OPENAI_WIRES
 from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire, openai_error, send_error
@@ -50,7 +51,8 @@ class GatewayApp:
         self.state = api.state
         holder: ServiceHolder = api.state.holder
         self.drain: Drain = api.state.drain
-        self._hot = {w.route: GenerationEndpoint(w, holder, self.drain) for w in WIRES}
+        bodies: BodyBudget = api.state.bodies
+        self._hot = {w.route: GenerationEndpoint(w, holder, self.drain, bodies) for w in WIRES}
         self._render = {w.route: w.render_error for w in WIRES}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -123,6 +125,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.state.holder = ServiceHolder()
     api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)
+    api.state.bodies = BodyBudget(config.limits.max_buffered_body_bytes, config.limits.retry_after_s)
     api.include_router(admin_routes.router)
     api.include_router(agent_routes.router)
     api.include_router(anthropic_routes.router)

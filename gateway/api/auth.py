@@ -1,5 +1,6 @@
 """Edge helpers shared by the FastAPI routes: the caller's tenant, the admin guard, and reading a
-request body within a limit (413 past it, counted as it streams in)."""
+request body within a limit (413 past it, counted as it streams in) and the gateway's body budget
+(gateway/api/body_budget.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ipaddress
 
 from fastapi import Request
 
+from gateway.api.body_budget import BodyBudget
 from gateway.errors import ApiError
 from gateway.service.tenants import Tenant, TenantRegistry
 
@@ -63,11 +65,23 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(400, "content-length is not a number", None, "invalid_request") from None
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
+    else:
+        size = None
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
-        chunks.append(chunk)
+    budget: BodyBudget | None = getattr(request.app.state, "bodies", None)
+    claim = budget.claim() if budget is not None else None  # held while the body streams in
+    try:
+        if claim is not None and size is not None:
+            claim.take(size)  # a declared length: claimed whole before a byte is read
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
+            if claim is not None and chunk and (size is None or total > size):
+                claim.take(len(chunk))
+            chunks.append(chunk)
+    finally:
+        if claim is not None:
+            claim.release()
     return b"".join(chunks)

@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError, error_body, reshape_upstream_error
@@ -72,7 +73,26 @@ class Wire:
     stream (Codex drops the connection at ``response.completed``) is not a 499."""
 
 
-async def read_body(receive: Any, limit: int) -> bytes:
+def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The request's ``content-length`` (None: absent or not a number; the server checks it)."""
+    for k, v in headers:
+        if k == b"content-length":
+            return int(v) if v.isdigit() else None
+    return None
+
+
+async def read_body(
+    receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
+) -> bytes:
+    """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
+    (503; the claim holds the bytes until it is released). A ``declared`` length is checked
+    and claimed whole before a byte is read (a client announcing a body that cannot fit is
+    refused at once); a chunked body is claimed as it arrives."""
+    if declared is not None:
+        if declared > limit:
+            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        if claim is not None:
+            claim.take(declared)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -83,6 +103,8 @@ async def read_body(receive: Any, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        if claim is not None and chunk and (declared is None or size > declared):
+            claim.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -142,11 +164,18 @@ def _uncancel(task: asyncio.Task[Any] | None) -> None:
 
 
 class GenerationEndpoint:
-    def __init__(self, wire: Wire, holder: ServiceHolder, drain: Drain | None = None) -> None:
+    def __init__(
+        self,
+        wire: Wire,
+        holder: ServiceHolder,
+        drain: Drain | None = None,
+        bodies: BodyBudget | None = None,
+    ) -> None:
         self.wire = wire
         self.route = wire.route
         self._holder = holder
         self._drain = drain
+        self._bodies = bodies
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         svc = self._holder.service
@@ -155,31 +184,44 @@ class GenerationEndpoint:
             err = ApiError(503, "the gateway is starting", None, "starting", retry_after=1)
             await send_error(send, err, render=wire.render_error)
             return
-        drain = self._drain
-        if drain is None:
-            await self._handle(svc, scope, receive, send, None)
-            return
-        flight = drain.enter()
+        claim = self._bodies.claim() if self._bodies is not None else None
         try:
-            await self._handle(svc, scope, receive, send, flight)
-        except asyncio.CancelledError:
-            if not flight.cut:
-                raise
-            _uncancel(flight.task)
-            if not flight.responded:  # cut before its answer began: the drain's 503
-                with contextlib.suppress(RuntimeError, OSError):
-                    await send_error(send, drain.error(), [(b"connection", b"close")], wire.render_error)
+            drain = self._drain
+            if drain is None:
+                await self._handle(svc, scope, receive, send, None, claim)
+                return
+            flight = drain.enter()
+            try:
+                await self._handle(svc, scope, receive, send, flight, claim)
+            except asyncio.CancelledError:
+                if not flight.cut:
+                    raise
+                _uncancel(flight.task)
+                if not flight.responded:  # cut before its answer began: the drain's 503
+                    with contextlib.suppress(RuntimeError, OSError):
+                        await send_error(send, drain.error(), [(b"connection", b"close")], wire.render_error)
+            finally:
+                drain.leave(flight)
         finally:
-            drain.leave(flight)
+            if claim is not None:  # the body lived as long as the request
+                claim.release()
 
     async def _handle(
-        self, svc: GatewayService, scope: Scope, receive: Any, send: Any, flight: Flight | None
+        self,
+        svc: GatewayService,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        flight: Flight | None,
+        claim: Claim | None = None,
     ) -> None:
         wire = self.wire
         t0 = time.perf_counter()
+        raw: bytes | None = None
         try:
             tenant = svc.tenants.authenticate(scope["headers"])
-            raw = await read_body(receive, svc.config.limits.max_body_bytes)
+            limit = svc.config.limits.max_body_bytes
+            raw = await read_body(receive, limit, claim, declared_length(scope["headers"]))
             await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
             parsed = wire.parse(raw)
             plan = await svc.plan(parsed, raw, scope["headers"], tenant)
@@ -188,7 +230,10 @@ class GenerationEndpoint:
         except (ApiError, *SERVICE_ERRORS) as exc:
             err = exc if isinstance(exc, ApiError) else to_api_error(exc)
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            await send_error(send, err, render=wire.render_error)
+            # refused before its body was read (401, 413, the body budget's 503): close the
+            # connection rather than read and discard the rest of the body to keep it alive
+            unread = [(b"connection", b"close")] if raw is None else None
+            await send_error(send, err, unread, render=wire.render_error)
             return
         interactive = plan.analysis.hints.interactive
         async with contextlib.AsyncExitStack() as admitted:
@@ -356,7 +401,8 @@ class GenerationEndpoint:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            svc.cluster.record_connect_failure(up.engine)  # died or froze: towards ejection
+            # died or froze: ejected; whether it still listens, the next probe says
+            svc.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
             tail = (
                 self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")

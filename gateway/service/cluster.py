@@ -229,12 +229,16 @@ class Cluster:
                 self._changed()
                 self._ejected(name)
 
-    def record_connect_failure(self, name: str, timeout_s: float | None = None) -> bool:
+    def record_connect_failure(self, name: str, timeout_s: float | None = None, refused: bool = True) -> bool:
         """Passive health: a refused or reset connection ejects at once (no need to wait for
         probes). A timeout (``timeout_s``: the limit that ran out, on the connect or the response
         headers) is weaker evidence: it counts as one failure towards ``eject_after_failures``,
         and none at all when the event loop's own lag explains it (a saturated gateway, not a
-        slow engine). Returns whether the lag excused it."""
+        slow engine). Returns whether the lag excused it.
+        ``refused``: nothing listens (ECONNREFUSED), so even a panicking pool leaves it out; a
+        timeout, a reset or a stream that broke off does not prove that (under a loop stall every
+        engine's connects time out: marking them all refused emptied the pool, 503
+        ``no_healthy_engine`` with every engine alive), and the next probe says."""
         s = self.engines[name]
         if timeout_s is not None:
             if self.loop_lag.excuses(timeout_s):
@@ -248,7 +252,7 @@ class Cluster:
                 self._ejected(name)
             return False
         s.successes = 0
-        s.refused = True
+        s.refused = refused
         self._changed()
         s.failures = max(s.failures + 1, self._config.limits.eject_after_failures)
         if s.healthy:

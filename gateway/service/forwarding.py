@@ -36,6 +36,14 @@ log = logging.getLogger("agentgw.forwarding")
 _DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
 
 
+def _refused(exc: BaseException) -> bool:
+    """Did the engine refuse the connection (nothing listens)? A timeout, a reset or a closed
+    keep-alive connection does not say so."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return isinstance(exc.os_error, ConnectionRefusedError)
+    return not isinstance(exc, (TimeoutError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+
+
 @dataclass(slots=True)
 class Relay:
     """An open upstream response being relayed."""
@@ -188,7 +196,7 @@ class Forwarder:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
                 # a timeout may be the gateway's own lag; a refusal or a reset is the engine's
-                excused = self.cluster.record_connect_failure(name, _timeout_s(exc, t))
+                excused = self.cluster.record_connect_failure(name, _timeout_s(exc, t), refused=_refused(exc))
                 last = exc
                 if excused and isinstance(exc, aiohttp.ConnectionTimeoutError):
                     # nothing was sent: the same engine again, once the loop catches up

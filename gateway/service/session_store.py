@@ -47,6 +47,9 @@ from gateway.core.sessions import SessionRecord, SessionTable, namespace_of
 from gateway.errors import ApiError
 from gateway.service.metrics import GatewayMetrics
 
+REDIS_MAX_CONNECTIONS = 256
+"""Connections to Redis per gateway replica (commands beyond wait for one)."""
+
 log = logging.getLogger("agentgw.sessions")
 T = TypeVar("T")
 OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
@@ -156,12 +159,18 @@ class RedisSessionStore:
         metrics: GatewayMetrics | None = None,
         quotas: dict[str, int] | None = None,
     ) -> None:
-        self.redis = aioredis.from_url(
+        # a blocking pool: past REDIS_MAX_CONNECTIONS concurrent commands wait (up to timeout_s)
+        # for a connection; redis-py's default pool raised MaxConnectionsError at its 100th, which
+        # read as an outage (the soak's 200 sessions put the store in degraded mode at once)
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=REDIS_MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # an outage is handled here, not by waiting it out
         )
+        self.redis = aioredis.Redis.from_pool(pool)
         self.capacity = capacity
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.prefix = prefix
