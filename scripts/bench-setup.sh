@@ -41,7 +41,12 @@ if [ "$(pip_version .bench-venv vllm-router)" != "$VLLM_ROUTER_VERSION" ] || [ !
 fi
 
 if [ "$with_dynamo" = 1 ] && [ "$(pip_version .dynamo-venv ai-dynamo)" != "$DYNAMO_VERSION" ]; then
-  PY310=${DYNAMO_PYTHON_BASE:-$(command -v python3.10 || true)}
+  PY310=${DYNAMO_PYTHON_BASE:-}
+  # a pyenv shim on PATH fails unless 3.10 is a selected version: take the first that runs
+  for c in $(command -v python3.10 || true) "$HOME"/.pyenv/versions/3.10*/bin/python3.10 /usr/bin/python3.10; do
+    [ -n "$PY310" ] && break
+    if [ -x "$c" ] && "$c" -c 'import sys' >/dev/null 2>&1; then PY310=$c; fi
+  done
   if [ -z "$PY310" ]; then
     echo "bench-setup: --with-dynamo needs a Python 3.10 (set DYNAMO_PYTHON_BASE)" >&2
     exit 1
