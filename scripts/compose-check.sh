@@ -26,38 +26,13 @@ export COMPOSE_PROJECT_NAME=agentgw-check DOCKER_BUILDKIT=0
 mkdir -p "$STATE"
 log() { echo "compose-check: $* ($(($(date +%s) - t0)) s)"; }
 
-# ---- the Docker daemon ----
-if ! docker info >/dev/null 2>&1; then
-  command -v dockerd >/dev/null || { echo "compose-check: no dockerd (scripts/setup.sh installs docker.io)" >&2; exit 1; }
-  log "starting dockerd"
-  setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; exit 1; }
-fi
-
-# ---- the base image: Debian bookworm from Debian's packages ----
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-  log "building $BASE_IMAGE (debootstrap)"
-  rootfs=$(mktemp -d /tmp/agentgw-rootfs.XXXXXX)
-  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
-    || { tail -20 "$STATE/debootstrap.log" >&2; rm -rf "$rootfs"; exit 1; }
-  tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
-  rm -rf "$rootfs"
-fi
-
-# ---- the wheelhouse: every wheel the images install, resolved by this machine's pip ----
-stamp=$WHEELS/.stamp
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "downloading the wheelhouse into $WHEELS"
-  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
-  # async-timeout: redis needs it below Python 3.11.3 (Debian's is 3.11.2); pip evaluates markers
-  # for the interpreter it runs on, not the image's
-  "$PY" -m pip download -q --only-binary=:all: -d "$WHEELS" "torch==2.13.0+cpu" ".[engine,store]" \
-    "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
-    || { tail -30 "$STATE/wheels.log" >&2; exit 1; }
-  echo "$want" > "$stamp"
-fi
+# ---- the Docker daemon, the base image (Debian bookworm from Debian's packages) and the
+# wheelhouse (every wheel the images install, resolved by this machine's pip): scripts/docker-lib.sh
+# shellcheck source=scripts/docker-lib.sh
+. scripts/docker-lib.sh
+ensure_dockerd || exit 1
+ensure_base_image || exit 1
+cpu_wheelhouse "$WHEELS" || exit 1
 
 # ---- the images ----
 server=""

@@ -25,20 +25,10 @@ IMAGE=agentgw-engine-gpu:check
 mkdir -p "$STATE"
 log() { echo "gpu-image-check: $* ($(($(date +%s) - t0)) s)"; }
 
-if ! docker info >/dev/null 2>&1; then
-  log "starting dockerd"
-  setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
-  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-  docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; exit 1; }
-fi
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-  log "building $BASE_IMAGE (debootstrap)"
-  rootfs=$(mktemp -d /tmp/agentgw-rootfs.XXXXXX)
-  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
-    || { tail -20 "$STATE/debootstrap.log" >&2; rm -rf "$rootfs"; exit 1; }
-  tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
-  rm -rf "$rootfs"
-fi
+# shellcheck source=scripts/docker-lib.sh
+. scripts/docker-lib.sh
+ensure_dockerd || exit 1
+ensure_base_image || exit 1
 
 stamp=$WHEELS/.stamp
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
@@ -59,15 +49,7 @@ log "wheelhouse: $(du -sh "$WHEELS" | cut -f1)"
 # or, on a miss, from its CPU wheelhouse, served where compose-check serves it
 CPU_WHEELS=$STATE/wheels
 CPU_PORT=${AGENTGW_WHEELS_PORT:-47313}
-if [ "$(cat "$CPU_WHEELS/.stamp" 2>/dev/null)" != "$want" ]; then
-  log "no CPU wheelhouse for this pyproject.toml: running compose-check's download step"
-  rm -rf "$CPU_WHEELS" && mkdir -p "$CPU_WHEELS"
-  # exactly scripts/compose-check.sh's (its build args and cache keys are these)
-  "$PY" -m pip download -q --only-binary=:all: -d "$CPU_WHEELS" "torch==2.13.0+cpu" ".[engine,store]" \
-    "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
-    || { tail -30 "$STATE/wheels.log" >&2; exit 1; }
-  echo "$want" > "$CPU_WHEELS/.stamp"
-fi
+cpu_wheelhouse "$CPU_WHEELS" || exit 1  # compose-check's (its build args and cache keys are these)
 server=""
 cpu_server=""
 cleanup() {
