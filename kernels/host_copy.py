@@ -37,7 +37,6 @@ from kernels.reference import (
     _byte_rows,
     _check_ids,
     block_nbytes,
-    check_same_geometry,
     layer_block_nbytes,
     staging_rows,
 )
@@ -284,14 +283,7 @@ def copy_blocks(
     block_dim: int = 0,
 ) -> None:
     """Copy block ``src_ids[i]`` of each source layer to block ``dst_ids[i]`` of the destination layer."""
-    _check_ids(src_ids, "src_ids")
-    _check_ids(dst_ids, "dst_ids")
-    if src_ids.numel() != dst_ids.numel():
-        raise ValueError(f"{src_ids.numel()} source ids but {dst_ids.numel()} destination ids")
-    if len(src_caches) != len(dst_caches):
-        raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
-    for src, dst in zip(src_caches, dst_caches, strict=True):
-        check_same_geometry(src, dst, block_dim)
+    reference.check_copy_args(src_caches, dst_caches, src_ids, dst_ids, block_dim)
     for src, dst in zip(src_caches, dst_caches, strict=True):
         src_fast, dst_fast = _byte_layout(src, block_dim), _byte_layout(dst, block_dim)
         if src_fast is None or dst_fast is None or _shares_storage(src, dst) or not available():

@@ -37,7 +37,12 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from kernels.reference import block_nbytes, check_same_geometry, layer_block_nbytes, staging_rows
+from kernels.reference import (
+    block_nbytes,
+    check_copy_args,
+    layer_block_nbytes,
+    staging_rows,
+)
 
 __all__ = ["INTERPRETED", "copy_blocks", "gather_blocks", "scatter_blocks"]
 
@@ -273,12 +278,7 @@ def copy_blocks(
     block_dim: int = 0,
 ) -> None:
     """Copy block ``src_ids[i]`` of each source layer to block ``dst_ids[i]`` of the destination layer."""
-    if src_ids.numel() != dst_ids.numel():
-        raise ValueError(f"{src_ids.numel()} source ids but {dst_ids.numel()} destination ids")
-    if len(src_caches) != len(dst_caches):
-        raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
-    for src, dst in zip(src_caches, dst_caches, strict=True):
-        check_same_geometry(src, dst, block_dim)
+    check_copy_args(src_caches, dst_caches, src_ids, dst_ids, block_dim)
     device = _launch_device([*src_caches, *dst_caches])
     sids = _prepare_ids(src_ids, _common_num_blocks(src_caches, block_dim), "src_ids", device)
     dids = _prepare_ids(dst_ids, _common_num_blocks(dst_caches, block_dim), "dst_ids", device)

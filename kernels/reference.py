@@ -54,6 +54,7 @@ import torch
 
 __all__ = [
     "block_nbytes",
+    "check_copy_args",
     "check_same_geometry",
     "copy_blocks",
     "gather_blocks",
@@ -239,6 +240,25 @@ def _copy_rows(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_
         dst.index_put_((dst_ids[first : first + step],), part)
 
 
+def check_copy_args(
+    src_caches: Sequence[torch.Tensor],
+    dst_caches: Sequence[torch.Tensor],
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    block_dim: int,
+) -> None:
+    """What every ``copy_blocks`` refuses before a byte moves: ids that are not 1-D integers,
+    unequal id or layer counts, layers of different geometry."""
+    _check_ids(src_ids, "src_ids")
+    _check_ids(dst_ids, "dst_ids")
+    if src_ids.numel() != dst_ids.numel():
+        raise ValueError(f"{src_ids.numel()} source ids but {dst_ids.numel()} destination ids")
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
+    for src, dst in zip(src_caches, dst_caches, strict=True):
+        check_same_geometry(src, dst, block_dim)
+
+
 def copy_blocks(
     src_caches: Sequence[torch.Tensor],
     dst_caches: Sequence[torch.Tensor],
@@ -248,14 +268,7 @@ def copy_blocks(
     block_dim: int = 0,
 ) -> None:
     """Copy block ``src_ids[i]`` of each source layer to block ``dst_ids[i]`` of the destination layer."""
-    _check_ids(src_ids, "src_ids")
-    _check_ids(dst_ids, "dst_ids")
-    if src_ids.numel() != dst_ids.numel():
-        raise ValueError(f"{src_ids.numel()} source ids but {dst_ids.numel()} destination ids")
-    if len(src_caches) != len(dst_caches):
-        raise ValueError(f"{len(src_caches)} source layers but {len(dst_caches)} destination layers")
-    for src, dst in zip(src_caches, dst_caches, strict=True):
-        check_same_geometry(src, dst, block_dim)
+    check_copy_args(src_caches, dst_caches, src_ids, dst_ids, block_dim)
     for src, dst in zip(src_caches, dst_caches, strict=True):
         sids = src_ids.to(src.device, torch.int64)
         dids = dst_ids.to(dst.device, torch.int64)
