@@ -43,6 +43,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -241,8 +242,15 @@ async def turn(c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs:
 
 
 def _code(raw: bytes) -> str:
+    """The error's code, and for an upstream failure the exception the last try ended with
+    (``502 upstream_connect_error ConnectionTimeoutError``: the cause, counted by kind)."""
     with contextlib.suppress(ValueError, AttributeError, TypeError):
-        return str(json.loads(raw)["error"]["code"])
+        err = json.loads(raw)["error"]
+        msg = str(err.get("message") or "")
+        last = "ConnectionRefusedError" if "ConnectionRefusedError" in msg else re.search(r": (\w+)\(", msg)
+        if isinstance(last, re.Match):
+            last = last.group(1)
+        return f"{err['code']} {last}" if last else str(err["code"])
     return raw[:40].decode(errors="replace")
 
 
@@ -324,6 +332,20 @@ async def rss(c: Client) -> int | None:
     return None
 
 
+async def upstream_errors(c: Client) -> dict[str, float]:
+    """The gateway's ``agentgw_upstream_errors_total`` summed over engines, by kind: ``connect``
+    (the engine could not be reached: tried elsewhere), ``connect_lag`` (a connect timeout the
+    gateway's own loop lag explains: tried again on the same engine), the mid-response kinds."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+        async with c.http.get(c.url + "/metrics") as r:
+            for line in (await r.text()).splitlines():
+                if line.startswith("agentgw_upstream_errors_total{"):
+                    kind = line.split('kind="', 1)[1].split('"', 1)[0]
+                    out[kind] = out.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def tables(c: Client) -> dict[str, float]:
     """How full the gateway's bounded tables are, from the outside: sessions evicted at
     ``sessions.capacity`` (``agentgw_session_evictions_total``), the prefix index's blocks per
@@ -402,6 +424,7 @@ async def drive(
         rss_end = await rss(c)
         peak = max(peak, rss_end or 0)
         series.append({"t_s": round(wall, 1), "rss_mib": _mib(rss_end), "sent": t.sent, **await tables(c)})
+        errors = await upstream_errors(c)
         # TTL: every session idle for longer than the TTL must be gone
         now = time.monotonic()
         due = [sid for sid, at in t.idle.items() if now - at > ttl_s + 1.0]
@@ -435,6 +458,7 @@ async def drive(
         "e2e_p99_ms": _ms(lat, 99),
         "ttft_p50_ms": _ms(ttft, 50),
         "ttft_p99_ms": _ms(ttft, 99),
+        "upstream_errors": errors,
         "faults": fault_log,
         "rss_series": series,
         "reasons": dict(t.reasons.most_common(20)),
@@ -488,6 +512,10 @@ def table(report: dict[str, Any], label: str) -> str:
     ]
     lines = [f"| {label} | value |", "|---|---|"]
     lines += [f"| {k} | {report[k]} |" for k in keys]
+    errors = report.get("upstream_errors") or {}
+    lines.append(
+        f"| upstream_errors | {', '.join(f'{k} {v:g}' for k, v in sorted(errors.items())) or 'none'} |"
+    )
     lines.append(
         f"| faults | {'; '.join(f['fault'] + ' @' + str(f['at_s']) + 's' for f in report['faults']) or 'none'} |"
     )

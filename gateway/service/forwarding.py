@@ -1,7 +1,7 @@
 """Forwarding: what is sent to the chosen engine and how. Rewrites the body (gateway-only fields
 out; engine_ext's pin request and the hinted priority in), filters the headers, and opens the
 upstream response with one retry on another engine of the pool when the first cannot be reached
-before any byte. What comes back is a :class:`Relay`: the engine's status, headers and an async
+before any byte (an engine that refuses or resets at once does not use the retry up). What comes back is a :class:`Relay`: the engine's status, headers and an async
 iterator of body chunks, independent of any wire API; the edge relays it in its own shape. The
 relay reports its request's phases to the cluster's load ledger: prefilling (with the decision's
 uncached tokens) from the send, decoding from the first body chunk, over when the turn finishes.
@@ -168,20 +168,22 @@ class Forwarder:
     ) -> Relay:
         """Send the request; when the engine cannot be reached or sends no response headers
         within ``first_byte_s`` (a frozen engine), retry once on another engine of the same
-        pool, then give up (:class:`UpstreamFailed`). A streamed response may then fall silent
+        pool (the best fallback routable then; past one that refuses or resets, the next), then
+        give up (:class:`UpstreamFailed`). A connect timeout the loop's lag explains is tried
+        again on the same engine (``LAG_RETRIES``). A streamed response may then fall silent
         for ``inter_chunk_s`` at most, a non-streamed one for ``read_s``."""
         t = self.config.timeouts
         timeout = self._stream_timeout if stream else self.upstream.timeout
-        # the retry goes to the best fallback that is routable now (the first one may be the
-        # engine that just died, not yet ejected when the decision was made)
-        tries = [decision.engine, *[f for f in decision.fallbacks if self.cluster.routable(f)][:1]]
         hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
         last: BaseException | None = None
         lag_retries = 0
-        for i, name in enumerate(tries):
-            state = self.cluster.engines[name]
-            if i > 0 and not self.cluster.routable(name):
+        tried: set[str] = set()
+        tries = [decision.engine]
+        while tries:
+            name = tries.pop(0)
+            if name != decision.engine and not self.cluster.routable(name):
                 continue
+            state = self.cluster.engines[name]
             self.cluster.begin(name)
             # a fallback engine's prefix match is not known: its whole prompt counts
             fallback = name != decision.engine
@@ -203,10 +205,20 @@ class Forwarder:
                     self.metrics.upstream_errors.labels(name, "connect_lag").inc()
                     if lag_retries < LAG_RETRIES:
                         lag_retries += 1
-                        tries.insert(i + 1, name)
-                    continue
-                self.metrics.upstream_errors.labels(name, "connect").inc()
-                log.warning("connect to %s failed: %r", name, exc)
+                        tries.insert(0, name)
+                        continue
+                else:
+                    self.metrics.upstream_errors.labels(name, "connect").inc()
+                    log.warning("connect to %s failed: %r", name, exc)
+                tried.add(name)
+                # one retry on another engine; a fallback that failed at once (refused: nothing
+                # listens, or reset: an engine killed since the decision, not yet ejected) does
+                # not use it up, the next routable one is tried; a timeout does (the time is
+                # spent). Each engine once: bounded by the pool's size.
+                if len(tried) == 1 or (fallback and _timeout_s(exc, t) is None):
+                    nxt = self._fallback(decision, tried)
+                    if nxt is not None:
+                        tries.append(nxt)
                 continue
             except aiohttp.ClientError as exc:
                 self.cluster.finished(ticket)
@@ -219,6 +231,14 @@ class Forwarder:
                 raise
             return Relay(name, state.pool, response, retried=fallback, cluster=self.cluster, ticket=ticket)
         raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)
+
+    def _fallback(self, decision: Decision, tried: set[str]) -> str | None:
+        """The best fallback not tried yet that is routable now (the decision's first one may be
+        the engine that just died, not yet ejected when the decision was made)."""
+        for f in decision.fallbacks:
+            if f not in tried and f != decision.engine and self.cluster.routable(f):
+                return f
+        return None
 
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         """One whole request to one engine (no retry: the caller chose the engine for a reason)."""
