@@ -191,8 +191,9 @@ def run_one(
 def routing_for(eng: EngineConfig, profile: str, split: str, tiers: TiersConfig | None) -> RoutingParams:
     """Router parameters whose cost model is the engine model's own (what a deployment fits from
     measured step times): prefill polynomial, chunk = min(budget, long-prefill cap), decode
-    polynomial over KV use (the H200 models' batch and context terms are left out), KV bytes per
-    token and the store's bandwidth for moves."""
+    polynomial over KV use plus the H200 models' batch and context terms (per sequence, per
+    million context tokens over the engine's KV capacity), KV bytes per token and the store's
+    bandwidth for moves."""
     perf = eng.perf
     cap = eng.long_prefill_token_threshold
     chunk = min(eng.max_batched_tokens, cap) if cap > 0 else eng.max_batched_tokens
@@ -203,6 +204,9 @@ def routing_for(eng: EngineConfig, profile: str, split: str, tiers: TiersConfig 
         cost_prefill_ms=(perf.p0, perf.p1, perf.p2),
         cost_chunk_tokens=chunk,
         cost_decode_ms=(perf.d0, perf.d1, perf.d2),
+        cost_decode_seq_ms=perf.d_seq,
+        cost_decode_kv_ms_per_mtok=perf.d_kv,
+        cost_kv_capacity_tokens=eng.num_blocks * eng.block_size if perf.d_kv else 0,
         kv_bytes_per_token=eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN,
         move_bytes_per_s=store_gbps * 1e9,
     )

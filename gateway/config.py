@@ -154,6 +154,15 @@ class RoutingConfig(_Strict):
     """min(--max-num-batched-tokens, --long-prefill-token-threshold) of the engines."""
     cost_decode_ms: tuple[float, float, float] = RoutingParams().cost_decode_ms
     """Decode step at KV use u: max(1, d0 + d1*u + d2*u^2) ms."""
+    cost_decode_seq_ms: float = Field(RoutingParams().cost_decode_seq_ms, ge=0)
+    """Decode step added per decoding sequence (ms; 0 unless the engines' step grows with the batch)."""
+    cost_decode_kv_ms_per_mtok: float = Field(RoutingParams().cost_decode_kv_ms_per_mtok, ge=0)
+    """Decode step added per million context tokens read, the context taken as u times
+    ``cost_kv_capacity_tokens`` (ms; an H200 fit: 42.15)."""
+    cost_kv_capacity_tokens: int = Field(RoutingParams().cost_kv_capacity_tokens, ge=0)
+    """One engine's KV capacity in tokens for the context term (0: unknown, term left out)."""
+    cost_decode_seq_tokens: int = Field(RoutingParams().cost_decode_seq_tokens, ge=0)
+    """Typical decoding sequence context, to estimate the batch at the decode knee (0: one sequence)."""
     kv_bytes_per_token: int = Field(RoutingParams().kv_bytes_per_token, gt=0)
     """KV bytes per token, for pricing a session's KV move in the split's cost rule."""
     move_bytes_per_s: float = Field(RoutingParams().move_bytes_per_s, ge=0)

@@ -75,6 +75,16 @@ class RoutingParams:
     cost_prefill_ms: tuple[float, float, float] = EngineCost().prefill_ms
     cost_chunk_tokens: int = EngineCost().chunk_tokens
     cost_decode_ms: tuple[float, float, float] = EngineCost().decode_ms
+    cost_decode_seq_ms: float = EngineCost().decode_seq_ms
+    """Decode step per decoding sequence (ms); 0 (the mocker) unless the engines' step grows
+    with the batch (the H200 AIC fit: 0.0846)."""
+    cost_decode_kv_ms_per_mtok: float = EngineCost().decode_kv_ms_per_mtok
+    """Decode step per million context tokens the batch reads (ms; the H200 AIC fit: 42.15),
+    with the context approximated as the KV use times ``cost_kv_capacity_tokens``."""
+    cost_kv_capacity_tokens: int = EngineCost().kv_capacity_tokens
+    """One engine's KV capacity in tokens (0: unknown, the context term is left out)."""
+    cost_decode_seq_tokens: int = EngineCost().decode_seq_tokens
+    """A typical decoding sequence's context, to estimate the batch at the knee (0: one)."""
     kv_bytes_per_token: int = EngineCost().kv_bytes_per_token
     move_bytes_per_s: float = EngineCost().move_bytes_per_s
     split_move_weight: float = 0.5
@@ -107,6 +117,10 @@ def engine_cost(p: RoutingParams) -> EngineCost:
         chunk_tokens=p.cost_chunk_tokens,
         decode_ms=p.cost_decode_ms,
         kv_bytes_per_token=p.kv_bytes_per_token,
+        decode_seq_ms=p.cost_decode_seq_ms,
+        decode_kv_ms_per_mtok=p.cost_decode_kv_ms_per_mtok,
+        kv_capacity_tokens=p.cost_kv_capacity_tokens,
+        decode_seq_tokens=p.cost_decode_seq_tokens,
         move_bytes_per_s=p.move_bytes_per_s,
     )
 

@@ -402,3 +402,30 @@ def test_the_decode_knee_is_on_by_default_and_off_at_zero() -> None:
         "kv_balance",
     )
     assert sticky_route(engines, {"a": 9}, 10, tok_s=0.0) == ("a", "sticky")
+
+
+@pytest.mark.parametrize(
+    ("capacity_tokens", "expected"),
+    [
+        (655_360, ("b", "kv_balance")),  # the knee at u = 0.15: a at 0.1 + 0.1 passes it, b stays under
+        (0, ("a", "sticky")),  # without the context term a flat 20.9 ms step never reaches 25 ms
+    ],
+)
+def test_the_knee_with_the_batch_and_context_terms(capacity_tokens: int, expected: tuple[str, str]) -> None:
+    """The H200 AIC fit's decode step (20.78 ms + 0.0846 ms per sequence + 42.15 ms per million
+    context tokens) has a knee at 40 tok/s only when the router's cost model carries its terms."""
+    p = RoutingParams(
+        profile="agentic",
+        interactivity_tok_s=40.0,
+        cost_decode_ms=(20.78, 0.0, 0.0),
+        cost_decode_seq_ms=0.0846,
+        cost_decode_kv_ms_per_mtok=42.15,
+        cost_kv_capacity_tokens=capacity_tokens,
+    )
+    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=0)
+    r = RouteRequest(model="m", prompt_tokens=64 * 10, block_size=64, session_id="s")
+    snap = Snapshot(
+        engines=(cap("a", 0.1), cap("b", 0.0)), matches={"a": PrefixMatch(9, 9, 9.0)}, session=session
+    )
+    d = Router(p).route(r, snap)
+    assert (d.engine, d.reason) == expected

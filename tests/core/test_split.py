@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gateway.core.policies.cost import EngineCost
@@ -18,6 +20,18 @@ COST = EngineCost(
     decode_ms=(20.0, 0.0, 0.0),
     kv_bytes_per_token=1000,
     move_bytes_per_s=1e7,
+)
+
+
+#: a step of 10 ms + 20 ms per million context tokens over 1M tokens of KV
+CTX = EngineCost(decode_ms=(10.0, 0.0, 0.0), decode_kv_ms_per_mtok=20.0, kv_capacity_tokens=1_000_000)
+#: a step of 10 ms + 1 ms per sequence, sequences of 100K tokens over 1M tokens of KV
+BATCH = EngineCost(
+    decode_ms=(10.0, 0.0, 0.0), decode_seq_ms=1.0, kv_capacity_tokens=1_000_000, decode_seq_tokens=100_000
+)
+#: benchmarks/sim/calibration.py's h200-qwen3-32b-fp8-aic decode fit, 10,240 blocks of 64 tokens
+H200_AIC = EngineCost(
+    decode_ms=(20.78, 0.0, 0.0), decode_seq_ms=0.0846, decode_kv_ms_per_mtok=42.15, kv_capacity_tokens=655_360
 )
 
 
@@ -47,6 +61,28 @@ def eng(name: str, role: PoolRole = PoolRole.WARM, **kw: object) -> EngineView:
         (lambda: COST.decode_knee(40.0), 1.0),  # a flat 20 ms step is always under 25 ms
         (lambda: COST.decode_knee(60.0), 0.0),  # ... and always over 16.7 ms
         (lambda: COST.decode_knee(0.0), 1.0),  # no target
+        # batch and context terms (the H200 calibrations): both 0 by default (the mocker)
+        (lambda: EngineCost().decode_step_ms(0.5, 64), 26.31),  # the mocker ignores the batch
+        (
+            lambda: EngineCost(decode_ms=(10.0, 0.0, 0.0), decode_seq_ms=1.0).step_s(eng("w", decoding=3)),
+            0.013,
+        ),
+        (
+            lambda: EngineCost(decode_ms=(10.0, 0.0, 0.0), decode_seq_ms=2.0).decode_step_ms(0.5),
+            12.0,
+        ),  # batch 1
+        (
+            lambda: EngineCost(decode_ms=(10.0, 0.0, 0.0), decode_kv_ms_per_mtok=42.0).decode_knee(50.0),
+            1.0,
+        ),  # K unknown
+        (lambda: CTX.decode_step_ms(0.25), 15.0),  # 10 + 20 ms/Mtok x 0.25 x 1M tokens
+        (lambda: CTX.decode_knee(50.0), 0.5),  # 10 + 20u = 20
+        (lambda: CTX.decode_knee(40.0), 0.75),  # 10 + 20u = 25
+        (lambda: BATCH.decode_knee(1000.0 / 15.5), 0.6),  # 10 + 1 ms x floor(u x 10) <= 15.5: batch 5
+        (lambda: BATCH.decode_step_ms(0.0), 11.0),  # an empty engine still decodes one sequence
+        (lambda: H200_AIC.decode_knee(40.0), 0.1497),  # 20.78 + 0.0846 + 42.15 x 0.65536u = 25
+        (lambda: H200_AIC.decode_knee(50.0), 0.0),  # its 20.86 ms floor is over 20 ms
+        (lambda: replace(H200_AIC, kv_capacity_tokens=0).decode_knee(40.0), 1.0),  # the knee as before
     ],
 )
 def test_engine_cost_formulas(quantity, expected) -> None:  # type: ignore[no-untyped-def]

@@ -7,7 +7,13 @@ Parameters (all passed in, from config or a calibration; defaults are Dynamo 1.6
 - ``chunk_tokens``: the most prefill tokens one pass takes for one request: ``min(
   --max-num-batched-tokens, --long-prefill-token-threshold)`` (0 in the threshold: no cap).
 - ``decode_ms = (d0, d1, d2)``: a decode step with a fraction ``u`` of the KV blocks in use
-  takes ``max(1, d0 + d1*u + d2*u^2)`` ms.
+  takes ``max(1, d0 + d1*u + d2*u^2)`` ms, plus two terms for engines whose step grows with the
+  batch and its context (the H200 calibrations; both 0 by default, the mocker has neither):
+  ``decode_seq_ms * b`` for ``b`` decoding sequences and ``decode_kv_ms_per_mtok * u * K / 1e6``
+  for ``K = kv_capacity_tokens`` (the context the batch reads, approximated as ``u`` of the KV
+  capacity; 0: unknown, the term is left out). Where the batch is not known (the knee) it is
+  estimated as ``max(1, u * K / decode_seq_tokens)`` (``decode_seq_tokens``: a typical decoding
+  sequence's context; 0: one sequence).
 - ``kv_bytes_per_token`` and ``move_bytes_per_s``: what moving a session's KV costs.
 
 Derived quantities (seconds):
@@ -26,7 +32,9 @@ Derived quantities (seconds):
 - ``decode_knee(r)``: the KV use ``u`` at which a decode step reaches ``1000 / r`` ms, i.e. past
   which a sequence decodes slower than ``r`` tokens/s (the largest ``u`` in [0, 1] with
   ``decode_ms(u) <= 1000 / r``; 0 when even an empty engine is slower, 1 when a full one is
-  faster). The mocker's step at 50 tok/s: ``u = 0.31``.
+  faster). The mocker's step at 50 tok/s: ``u = 0.31``; the H200 AIC fit (20.78 ms + 0.0846 ms
+  per sequence + 42.15 ms per million context tokens, 655,360 tokens of KV) at 40 tok/s:
+  ``u = 0.15``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ class EngineCost:
     decode_ms: tuple[float, float, float] = (5.74, 54.01, -25.74)
     kv_bytes_per_token: int = 131_072
     move_bytes_per_s: float = 2.3e9
+    decode_seq_ms: float = 0.0
+    decode_kv_ms_per_mtok: float = 0.0
+    kv_capacity_tokens: int = 0
+    decode_seq_tokens: int = 0
 
     def pass_ms(self, tokens: int) -> float:
         if tokens <= 0:
@@ -64,7 +76,7 @@ class EngineCost:
     def step_s(self, view: EngineView) -> float:
         if view.decoding <= 0:
             return 0.0
-        return self.decode_step_ms(view.kv_usage) / 1000.0
+        return self.decode_step_ms(view.kv_usage, view.decoding) / 1000.0
 
     def wait_s(self, view: EngineView) -> float:
         b = view.prefill_backlog_tokens
@@ -76,9 +88,14 @@ class EngineCost:
     def interference_s(self, view: EngineView, uncached: int) -> float:
         return max(0, view.decoding) * self.prefill_s(uncached)
 
-    def decode_step_ms(self, u: float) -> float:
+    def decode_step_ms(self, u: float, batch: int = 0) -> float:
+        """The step at KV use ``u`` with ``batch`` decoding sequences (0: estimated from ``u``)."""
         d0, d1, d2 = self.decode_ms
-        return max(1.0, d0 + d1 * u + d2 * u * u)
+        ctx = u * max(0, self.kv_capacity_tokens)
+        if batch <= 0:
+            batch = max(1, int(ctx // self.decode_seq_tokens)) if self.decode_seq_tokens > 0 else 1
+        extra = self.decode_seq_ms * batch + self.decode_kv_ms_per_mtok * ctx / 1e6
+        return max(1.0, d0 + d1 * u + d2 * u * u) + extra
 
     def decode_knee(self, tok_s: float) -> float:
         if tok_s <= 0:
