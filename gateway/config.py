@@ -140,6 +140,9 @@ class RoutingConfig(_Strict):
     """Decode speed the ``agentic`` picker protects: a turn leaves its home (or best-scored
     engine) when its KV there would pass the knee where the ``cost_decode_ms`` step reaches
     1000 / this ms, for an engine that stays under it (reason ``kv_balance``); 0: off."""
+    knee_move_max_s: float = Field(RoutingParams().knee_move_max_s, ge=0)
+    """Most TTFT (s, estimated from uncached tokens and queue) a ``kv_balance`` move may add to
+    the turn; past it the turn stays home past the knee. 0: any move."""
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
     split: Literal["cost", "wall"] = "cost"

@@ -63,6 +63,12 @@ class RoutingParams:
     50 tok/s) and another engine stays under it (reason ``kv_balance``). 0: off (only the fit
     check at a full cache). On the Weka dev trace in the simulator: capacity at the SLO from 12
     to N lanes (docs/benchmarks_sim.md)."""
+    knee_move_max_s: float = 0.0
+    """The most a ``kv_balance`` move may add to the turn's estimated time to first token (the
+    target's uncached tokens x ``prefill_s_per_token`` + its queue x ``queue_s_per_request``,
+    against the home's), for fleets where TTFT matters more than decode speed. 0: any move (the
+    default: on the Weka dev trace every budget tried, 1-5 s, lost capacity at the SLO;
+    docs/benchmarks_sim.md)."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     split: str = "cost"
@@ -152,6 +158,7 @@ def _agentic(p: RoutingParams) -> Profile:
             p.prefill_s_per_token,
             p.queue_s_per_request,
             decode_kv_high=engine_cost(p).decode_knee(p.interactivity_tok_s),
+            move_max_s=p.knee_move_max_s or float("inf"),
         ),
     )
 

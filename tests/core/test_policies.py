@@ -272,6 +272,7 @@ def sticky_route(
     prompt_blocks: int = 20,
     tok_s: float = 0.0,
     home: str | None = "a",
+    move_max_s: float = 0.0,
 ) -> tuple[str, str]:
     """``tok_s`` 0: the fit check at a full cache alone (no decode knee)."""
     session = SessionView("s", home=home, pool="warm", turns=3, context_tokens=0) if home else None
@@ -279,7 +280,7 @@ def sticky_route(
     r = RouteRequest(
         model="m", prompt_tokens=64 * prompt_blocks, block_size=64, session_id="s" if home else None
     )
-    d = Router(RoutingParams(profile="agentic", interactivity_tok_s=tok_s)).route(
+    d = Router(RoutingParams(profile="agentic", interactivity_tok_s=tok_s, knee_move_max_s=move_max_s)).route(
         r, Snapshot(engines=tuple(engines), matches=matches, session=session)
     )
     return d.engine, d.reason
@@ -291,6 +292,14 @@ def test_sticky_stays_home_when_the_turn_fits() -> None:
 
 def test_sticky_leaves_a_home_that_cannot_hold_the_turn() -> None:
     assert sticky_route([cap("a", 0.9), cap("b", 0.1)], {"a": 19}) == ("b", "kv_overflow")
+
+
+def test_a_request_without_a_home_goes_where_it_fits() -> None:
+    """The best-scored engine (a: the prefix) cannot hold the prompt: the one that can wins; when
+    none can, the scores decide (the simulator's thrash: one turn preempting itself 7,223 times)."""
+    assert sticky_route([cap("a", 0.9), cap("b", 0.1)], {"a": 19}, home=None) == ("b", "kv_overflow")
+    assert sticky_route([cap("a", 0.5), cap("b", 0.1)], {"a": 19}, home=None) == ("a", "prefix")
+    assert sticky_route([cap("a", 0.9), cap("b", 0.9)], {"a": 19}, home=None) == ("a", "prefix")
 
 
 def test_sticky_home_full_of_soft_pins_still_holds_the_turn() -> None:
@@ -333,8 +342,17 @@ def test_sticky_leaves_a_cold_home() -> None:
             {"a": 9, "c": 8},
             10,
             "a",
+            ("b", "kv_balance"),
+            "of the engines under the knee, the one with the most room (c, which holds the"
+            " prefix, would be at 0.25 and pass the knee again next turn)",
+        ),
+        (
+            [cap("a", 0.25), cap("b", 0.05), cap("c", 0.05)],
+            {"a": 9, "c": 8},
+            10,
+            "a",
             ("c", "kv_balance"),
-            "of the engines under the knee, the one that recomputes least",
+            "equal room: the one that recomputes least",
         ),
         (
             [cap("a", 0.0), cap("b", 0.0)],
@@ -392,6 +410,21 @@ def test_sticky_leaves_a_cold_home() -> None:
 )
 def test_sticky_keeps_decoding_kv_under_the_knee(engines, held, prompt_blocks, home, expected, why) -> None:  # type: ignore[no-untyped-def]
     assert sticky_route(engines, held, prompt_blocks, tok_s=50.0, home=home) == expected, why
+
+
+@pytest.mark.parametrize(
+    ("move_max_s", "expected"),
+    [
+        # a holds 9 of 10 blocks, b none, c 4: the move to b recomputes 576 tokens more than
+        # staying (11.5 ms at 2e-5 s per token), to c 320 more (6.4 ms)
+        (0.0, ("b", "kv_balance")),  # 0: no budget
+        (0.010, ("c", "kv_balance")),  # b is over the budget, c (still under the knee) is not
+        (0.005, ("a", "sticky")),  # every move costs more than 5 ms: stay, past the knee
+    ],
+)
+def test_a_knee_move_is_priced_against_its_ttft_budget(move_max_s: float, expected: tuple[str, str]) -> None:
+    engines = [cap("a", 0.25), cap("b", 0.0), cap("c", 0.1)]
+    assert sticky_route(engines, {"a": 9, "c": 4}, 10, tok_s=50.0, move_max_s=move_max_s) == expected
 
 
 def test_the_decode_knee_is_on_by_default_and_off_at_zero() -> None:

@@ -17,10 +17,18 @@
   measured in the simulator); a home where the turn would push the KV use past
   ``decode_kv_high`` (the cost model's decode knee for the interactivity target,
   :meth:`~gateway.core.policies.cost.EngineCost.decode_knee`: every sequence decoding there would
-  fall under it) sends it to the cheapest engine where it stays under (``kv_balance``), when one
-  exists; a turn too big to stay under anywhere keeps its home. The same knee applies to a
-  request without a home: when the best-scored engine is past it and another is not, the
-  cheapest of those below wins (``kv_balance``). Then, if the home's queue <= ``max_queue``,
+  fall under it) sends it to the engine with the most room under it (the lowest ``kv_share``;
+  then the cheapest: a session moved to the cheapest engine just under the knee passes it again
+  next turn and moves again, measured in the simulator) (``kv_balance``), when one
+  exists and the move adds at most ``move_max_s`` to the turn's estimated time to first token
+  (the estimate below: the uncached tokens the target lacks and its queue; a move that would
+  reload a long context costs the turn more TTFT than the decode speed it protects is worth);
+  a turn too big to stay under anywhere keeps its home. The same two checks apply to a
+  request without a home: when the best-scored engine cannot hold it, the cheapest that can
+  wins (``kv_overflow``: without it a 373K-token turn of an AgentX-shaped play was placed by
+  its prefix on an engine that could not hold it and preempted itself 7,223 times in the
+  simulator); when the best-scored engine is past the knee and another is not, the one with the
+  most room below wins (``kv_balance``). Then, if the home's queue <= ``max_queue``,
   stay (reason ``sticky``). Otherwise estimate
   each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
   queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
@@ -102,12 +110,30 @@ class StickyBounded:
     warm_frac: float = 0.5
     kv_high: float = 1.0
     decode_kv_high: float = 1.0
+    move_max_s: float = float("inf")
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
         view = next(e for e in snap.engines if e.name == engine)
         uncached = req.prompt_tokens - _cached_tokens(req, snap, engine)
         return uncached * self.prefill_s_per_token + view.queue * self.queue_s_per_request
+
+    def _overflow(
+        self,
+        req: RouteRequest,
+        snap: Snapshot,
+        views: dict[str, EngineView],
+        natural: Candidate,
+        candidates: Sequence[Candidate],
+    ) -> Pick | None:
+        """``kv_overflow``: the cheapest engine that can hold the turn, when ``natural`` (the
+        home, or the best score) cannot; None to keep ``natural``."""
+        if _fits(views[natural.engine], req, self.kv_high):
+            return None
+        room = [c for c in candidates if _fits(views[c.engine], req, self.kv_high)]
+        if not room:
+            return None
+        return Pick(min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total)), "kv_overflow")
 
     def _below_knee(
         self,
@@ -121,10 +147,24 @@ class StickyBounded:
         ``natural`` (the home, or the best score) is past it; None to keep ``natural``."""
         if self.decode_kv_high >= self.kv_high or _fits(views[natural.engine], req, self.decode_kv_high):
             return None
-        room = [c for c in candidates if _fits(views[c.engine], req, self.decode_kv_high)]
+        stay = self._cost(req, snap, natural.engine)
+        room = [
+            c
+            for c in candidates
+            if _fits(views[c.engine], req, self.decode_kv_high)
+            and self._cost(req, snap, c.engine) - stay <= self.move_max_s
+        ]
         if not room:
             return None
-        return Pick(min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total)), "kv_balance")
+        target = min(
+            room,
+            key=lambda c: (
+                views[c.engine].kv_share(req.block_size),
+                self._cost(req, snap, c.engine),
+                -c.total,
+            ),
+        )
+        return Pick(target, "kv_balance")
 
     def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
         home = snap.session.home if snap.session else None
@@ -135,11 +175,9 @@ class StickyBounded:
             held = snap.matches[home].blocks if home in snap.matches else 0
             if best > 0 and held < self.warm_frac * best:
                 return Pick(MaxScore().pick(req, snap, candidates).candidate, "rehome_cold")
-            if not _fits(views[home], req, self.kv_high):
-                room = [c for c in candidates if _fits(views[c.engine], req, self.kv_high)]
-                if room:
-                    target = min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
-                    return Pick(target, "kv_overflow")
+            overflow = self._overflow(req, snap, views, by_name[home], candidates)
+            if overflow is not None:
+                return overflow
             balanced = self._below_knee(req, snap, views, by_name[home], candidates)
             if balanced is not None:
                 return balanced
@@ -153,6 +191,9 @@ class StickyBounded:
         top = MaxScore().pick(req, snap, candidates)
         if len(candidates) > 1:
             views = {e.name: e for e in snap.engines}
+            overflow = self._overflow(req, snap, views, top.candidate, candidates)
+            if overflow is not None:
+                return overflow
             balanced = self._below_knee(req, snap, views, top.candidate, candidates)
             if balanced is not None:
                 return balanced
