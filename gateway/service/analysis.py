@@ -3,7 +3,7 @@
 One :class:`PromptAnalyzer` per app. Prompts under ``analysis.inline_chars`` characters (a few
 hundred tokens) are analysed on the loop, where a round trip to a worker would cost more than the
 work. In mode ``process``, prompts under ``analysis.thread_chars`` characters go to one thread of
-the gateway process (the in-process tokenizer and its cache: no pickling, no pipe; the tokenizer's
+the gateway process (the in-process tokenizer and its cache: no copy, no socket; the tokenizer's
 ``encode_batch`` releases the GIL), larger ones to one of two process lanes by the size of their
 prompt text: ``small`` (under ``analysis.small_chars`` characters) and ``large``, so that a small
 request never waits behind a 200K-token first turn. Each lane runs on its own workers:
@@ -11,8 +11,8 @@ request never waits behind a 200K-token first turn. Each lane runs on its own wo
 - ``process`` (the default): worker processes (``spawn``), each reached through its own socket
   pair that the event loop reads directly, with no thread in the gateway
   (:class:`~gateway.service.analysis_worker.AnalysisWorker`), one :class:`ChatTokenizer` per
-  model in each. Large-lane workers run at a
-  lower CPU priority (``nice``), so the event loop and the small lane preempt them. A request
+  model in each. Large-lane workers run at a lower CPU priority (``nice``), so the event loop
+  and the small lane preempt them. A request
   goes to the worker picked by the content key of its first message
   (:func:`~gateway.service.tokenize.affinity_key`), so the content-keyed cache of that worker
   holds the conversation's earlier turns and every session sharing its system prompt; when that
@@ -24,14 +24,13 @@ request never waits behind a 200K-token first turn. Each lane runs on its own wo
   168K-token prompt's ids are 673 KB. A worker that dies fails its requests in flight into
   :class:`AnalysisSkipped` (``worker_died``: routed approximately) and is started again.
 - ``thread``: thread pools sharing one tokenizer (and cache) per model. Tokenizers' ``encode_batch``
-  releases the GIL, but templating, hashing and pickling do not.
+  releases the GIL, but templating and hashing do not.
 - ``inline``: on the event loop, as before this module existed (for comparisons only).
 
 Each request has a budget (``budget_ms``): past it, or when the wait predicted from its worker's
 queue (characters queued / the lane's measured characters per second) exceeds it, or the worker
 already has ``max_backlog`` requests queued, :meth:`PromptAnalyzer.analyze` raises
-:class:`AnalysisSkipped`
-and the caller routes on the approximate index; the work itself is not cancelled, so the cache
+:class:`AnalysisSkipped` and the caller routes on the approximate index; the work itself is not cancelled, so the cache
 still warms for the next turn. Skips are counted in ``agentgw_analysis_skipped_total{reason}``.
 
 It also keeps the token ids of each session's last prompt (for KV prefetch), bounded by bytes.

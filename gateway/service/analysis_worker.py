@@ -218,6 +218,8 @@ class AnalysisWorker:
         self.restarts = 0
         """Workers started again after one died."""
         self._pending: dict[int, _Pending] = {}
+        self._chunk = bytearray(_READ_CHUNK)
+        self._chunk_view = memoryview(self._chunk)
         self._next_id = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -421,16 +423,16 @@ class AnalysisWorker:
         if sock is None:
             return
         try:
-            data = sock.recv(_READ_CHUNK)
+            got = sock.recv_into(self._chunk)  # into a buffer made once: no 256 KB malloc a call
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            got = 0
+        if not got:
             self._died()
             return
         buf = self._rbuf
-        buf += data
+        buf += self._chunk_view[:got]
         pos = 0
         while len(buf) - pos >= 4:
             (n,) = _LEN.unpack_from(buf, pos)
