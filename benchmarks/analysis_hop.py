@@ -75,7 +75,8 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     body = orjson.loads(raw)
 
     async def go() -> tuple[float, float, float]:
-        an = PromptAnalyzer([ModelConfig(name="m", tokenizer=tokenizer_dir)], AnalysisConfig())
+        model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
+        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
         try:
             await an.wait_ready()
             for _ in range(5):  # the first fills the worker's cache

@@ -322,26 +322,23 @@ class AnalysisWorker:
             self._start()
 
     def _reap(self, proc: multiprocessing.process.BaseProcess) -> None:
-        """Collect the exited process without blocking the loop (kill it if it lingers)."""
-        if proc.exitcode is not None:
-            return
+        """Collect the exited process without blocking the loop: polled (``waitpid``, no hang)
+        every 20 ms, killed if it is still there after 5 s."""
         loop = self._loop
         if loop is None:
             proc.kill()
             proc.join(1.0)
             return
-        fd = proc.sentinel
+        deadline = loop.time() + 5.0
 
-        def reaped() -> None:
-            loop.remove_reader(fd)
-            proc.join(0)
-
-        def linger() -> None:
-            if proc.exitcode is None:
+        def poll() -> None:
+            if proc.exitcode is not None:
+                return
+            if loop.time() > deadline:
                 proc.kill()
+            loop.call_later(0.02, poll)
 
-        loop.add_reader(fd, reaped)
-        loop.call_later(5.0, linger)
+        poll()
 
     # -- requests -------------------------------------------------------------------------------
     def submit(
@@ -463,22 +460,12 @@ class AnalysisWorker:
             self._restart_handle.cancel()
         proc = self._proc
         self._disconnect()
-        if proc.exitcode is None:
-            loop = asyncio.get_running_loop()
-            exited: asyncio.Future[None] = loop.create_future()
-            fd = proc.sentinel
-
-            def on_exit() -> None:
-                if not exited.done():
-                    exited.set_result(None)
-
-            loop.add_reader(fd, on_exit)
-            try:
-                await asyncio.wait_for(exited, timeout)
-            except TimeoutError:
+        # the sentinel pipe closes a moment before the process can be reaped: poll waitpid
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while proc.exitcode is None:
+            if loop.time() > deadline:
                 proc.kill()
-                await asyncio.wait_for(exited, timeout)
-            finally:
-                loop.remove_reader(fd)
-            proc.join(0)
+                deadline = loop.time() + timeout
+            await asyncio.sleep(0.02)
         self.arena.close()
