@@ -185,12 +185,15 @@ class PromptAnalyzer:
             }
         elif mode == "process":
             per = (config.cache_bytes - local_bytes) // (n_large + n_small)
+            slots = min(config.max_backlog, 64)  # every request the backlog admits, by the arena
+
+            def worker(nice: int) -> AnalysisWorker:
+                return AnalysisWorker(self.specs, per, nice, slots)
+
             # each worker starts now and loads its tokenizers (wait_ready waits for that)
             self.lanes = {
-                "large": _Lane(
-                    "large", [AnalysisWorker(self.specs, per, config.large_nice) for _ in range(n_large)]
-                ),
-                "small": _Lane("small", [AnalysisWorker(self.specs, per) for _ in range(n_small)]),
+                "large": _Lane("large", [worker(config.large_nice) for _ in range(n_large)]),
+                "small": _Lane("small", [worker(0) for _ in range(n_small)]),
             }
             if config.thread_chars > config.inline_chars:
                 self.lanes["thread"] = _Lane(

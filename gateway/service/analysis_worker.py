@@ -49,7 +49,6 @@ from gateway.service.tokenize import ChatTokenizer, Unsupported
 
 __all__ = [
     "ARENA_MIN_BYTES",
-    "ARENA_SLOTS",
     "ARENA_SLOT_BYTES",
     "AnalysisWorker",
     "Spec",
@@ -85,12 +84,10 @@ def analyse(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, .
 
 # -- the shared-memory arena --------------------------------------------------------------------
 
-ARENA_SLOTS = 8
-"""Bodies in flight to one worker through its shared-memory arena (more go through the pipe)."""
 ARENA_SLOT_BYTES = 1 << 20
-"""A slot's size: larger bodies go through the pipe (their analysis dwarfs the copy)."""
+"""A slot's size: larger bodies go through the socket (their analysis dwarfs the copy)."""
 ARENA_MIN_BYTES = 64 << 10
-"""Smaller bodies go through the pipe (one pipe buffer: no gain)."""
+"""Smaller bodies go through the socket (one socket buffer: no gain)."""
 
 
 class Arena:
@@ -99,9 +96,17 @@ class Arena:
     647 KB crossing a socket whose buffer holds a fraction of it, each buffer-full a switch to
     the worker and back on a shared core (``benchmarks.analysis_hop``). Slots are taken and given
     back on the event loop. Made on first use; when the block cannot be made (no /dev/shm) the
-    pipe is used. It outlives a worker's restart (the new one attaches to it)."""
+    socket is used. It outlives a worker's restart (the new one attaches to it).
 
-    def __init__(self) -> None:
+    ``slots``: bodies in flight through it (more go through the socket). The analyzer gives it
+    one per request its backlog admits: a 647 KB body pushed through the socket advances one
+    socket buffer (~200 KB) per loop iteration, and the worker, which answers in order, waits for
+    it (at c64 on one core with 8 slots, ~all requests were skipped to the approximate index as
+    ``backlog``; with 16, 69%: ``benchmarks.overhead``). The block is sparse: only slots written
+    take memory."""
+
+    def __init__(self, slots: int = 16) -> None:
+        self.slots = slots
         self.shm: shared_memory.SharedMemory | None = None
         self.free: list[int] = []
         self._broken = False
@@ -112,11 +117,11 @@ class Arena:
             return None
         if self.shm is None:
             try:
-                self.shm = shared_memory.SharedMemory(create=True, size=ARENA_SLOTS * ARENA_SLOT_BYTES)
+                self.shm = shared_memory.SharedMemory(create=True, size=self.slots * ARENA_SLOT_BYTES)
             except OSError:
                 self._broken = True
                 return None
-            self.free = list(range(ARENA_SLOTS))
+            self.free = list(range(self.slots))
         if not self.free:
             return None
         slot = self.free.pop()
@@ -212,9 +217,9 @@ class AnalysisWorker:
     The process starts at construction (no loop needed); the loop starts reading on first use.
     Requests in flight are bounded by the caller (its backlog per worker)."""
 
-    def __init__(self, specs: Sequence[Spec], cache_bytes: int, nice: int = 0) -> None:
+    def __init__(self, specs: Sequence[Spec], cache_bytes: int, nice: int = 0, arena_slots: int = 16) -> None:
         self._args = (list(specs), cache_bytes, nice)
-        self.arena = Arena()
+        self.arena = Arena(arena_slots)
         self.restarts = 0
         """Workers started again after one died."""
         self._pending: dict[int, _Pending] = {}

@@ -148,9 +148,10 @@ async def test_mid_sized_prompts_use_the_thread_lane(tiny_llama: Path) -> None:
 
 
 async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: Path) -> None:
-    """Bodies of 64 KiB to 1 MiB are written into the worker's shared-memory arena (the pipe
-    carries their place); more in flight than the arena has slots, or a larger body, go through
-    the pipe; every answer equals the tokenizer's and every slot comes back."""
+    """Bodies of 64 KiB to 1 MiB are written into the worker's shared-memory arena (the socket
+    carries their place), one slot per request the backlog admits; a larger body goes through
+    the socket (in several writes: more than its buffer); every answer equals the tokenizer's
+    and every slot comes back."""
     from gateway.service import analysis_worker as analysis
 
     cfg = AnalysisConfig(mode="process", thread_chars=0, workers=1, small_workers=1, budget_ms=600_000)
@@ -158,7 +159,7 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
     ref = ChatTokenizer(tiny_llama, 128, "0")
     try:
         await an.wait_ready()
-        bodies = [body(f"request {i} " + "word " * 14_000) for i in range(analysis.ARENA_SLOTS + 4)]
+        bodies = [body(f"request {i} " + "word " * 14_000) for i in range(cfg.max_backlog - 1)]
         bodies.append(body("huge " + "word " * 230_000))  # > 1 MiB: the pipe
         raws = [orjson.dumps(b) for b in bodies]
         assert all(analysis.ARENA_MIN_BYTES <= len(r) <= analysis.ARENA_SLOT_BYTES for r in raws[:-1])
@@ -171,7 +172,7 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
             assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
         arenas = [w.arena for w in an.workers if w.arena.shm is not None]
         assert len(arenas) == 1  # the lane these bodies went to made its arena; nobody else did
-        assert sorted(arenas[0].free) == list(range(analysis.ARENA_SLOTS))  # every slot back
+        assert sorted(arenas[0].free) == list(range(cfg.max_backlog))  # one slot per backlog place: all back
         name = arenas[0].shm.name if arenas[0].shm else ""
     finally:
         await an.aclose()
@@ -221,7 +222,7 @@ async def test_a_worker_killed_mid_request_fails_it_cleanly_and_is_restarted(tin
         assert skip.value.reason == "worker_died" and an.skipped == {"worker_died": 1}
         assert b'agentgw_analysis_skipped_total{reason="worker_died"} 1.0' in metrics.render()
         assert large.backlog == [0] and large.queued_chars == [0]
-        assert worker.arena.shm is not None and len(worker.arena.free) == 8  # the slot came back
+        assert worker.arena.shm is not None and len(worker.arena.free) == cfg.max_backlog  # slot back
         assert worker.restarts == 1
         await an.wait_ready()
         assert worker.pid not in (None, old_pid)
@@ -295,3 +296,19 @@ async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> Non
         assert all(w.restarts == 0 for w in an.workers)
     finally:
         await an.aclose()
+
+
+def test_an_arena_with_no_free_slot_sends_through_the_socket() -> None:
+    from gateway.service.analysis_worker import ARENA_MIN_BYTES, Arena
+
+    arena = Arena(2)
+    raw = b"x" * ARENA_MIN_BYTES
+    try:
+        got = [arena.put(raw) for _ in range(3)]
+        assert got[0] is not None and got[1] is not None and got[2] is None  # full: the socket
+        assert arena.put(b"small") is None  # under 64 KiB: the socket
+        arena.release(got[0][1])
+        again = arena.put(raw)
+        assert again is not None and again[1] == got[0][1]
+    finally:
+        arena.close()
