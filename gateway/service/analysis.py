@@ -94,6 +94,8 @@ def _outcome(out: tuple[Any, ...]) -> PromptInfo:
         raise ApiError(out[1], out[2], out[3], out[4])
     if out[0] == "unsupported":
         raise AnalysisSkipped(f"unsupported: {out[1]}")
+    if out[0] == "error":
+        raise AnalysisSkipped(f"worker_error: {out[1]}")
     hashes = array("Q")
     hashes.frombytes(out[2])
     tokens: Sequence[int] = ()

@@ -14,7 +14,8 @@ the loop), the raw JSON body itself. The worker parses the body, sets ``cache_sa
 gateway's copy, analyses it with its :class:`~gateway.service.tokenize.ChatTokenizer` and
 answers ``(id, outcome)``, ``marshal``-ed: ``("ok", tokens, block hashes as packed ``array("Q")``
 bytes, encoded, token ids as packed ``array("i")`` bytes or None, seconds)``, ``("api", status,
-message, param, code, seconds)`` (a 400) or ``("unsupported", reason, seconds)``. A worker handles
+message, param, code, seconds)`` (a 400), ``("unsupported", reason, seconds)`` or ``("error",
+text, None)`` (the body did not parse, or the analysis raised: the worker goes on). A worker handles
 one request at a time, in order; its first frame says it is ready (its pid).
 
 A worker that dies (EOF on the socket) fails every request in flight with :class:`WorkerDied`
@@ -167,21 +168,26 @@ def _serve(sock: socket.socket, specs: Sequence[Spec], cache_bytes: int, nice: i
         send(os.getpid())
         while True:
             rid, model, kind, salt, keep, place = marshal.loads(read(_LEN.unpack(read(4))[0]))
-            if place is None:
-                body = orjson.loads(read(_LEN.unpack(read(4))[0]))
-            else:
-                name, slot, n = place
-                shm = attached.get(name)
-                if shm is None:
-                    shm = attached[name] = shared_memory.SharedMemory(name)
-                buf = shm.buf
-                assert buf is not None
-                body = orjson.loads(buf[slot * ARENA_SLOT_BYTES : slot * ARENA_SLOT_BYTES + n])
-            if salt is None:
-                body.pop("cache_salt", None)
-            else:
-                body["cache_salt"] = salt[0]
-            send((rid, _answer(toks[model], kind, body, keep)))
+            raw = read(_LEN.unpack(read(4))[0]) if place is None else None
+            try:
+                if raw is not None:
+                    body = orjson.loads(raw)
+                else:
+                    name, slot, n = place
+                    shm = attached.get(name)
+                    if shm is None:
+                        shm = attached[name] = shared_memory.SharedMemory(name)
+                    buf = shm.buf
+                    assert buf is not None
+                    body = orjson.loads(buf[slot * ARENA_SLOT_BYTES : slot * ARENA_SLOT_BYTES + n])
+                if salt is None:
+                    body.pop("cache_salt", None)
+                else:
+                    body["cache_salt"] = salt[0]
+                out = _answer(toks[model], kind, body, keep)
+            except Exception as exc:  # a bad body or a bug: this request fails, the worker stays
+                out = ("error", f"{type(exc).__name__}: {exc}"[:500], None)
+            send((rid, out))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the gateway closed its end: stop
 

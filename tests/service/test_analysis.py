@@ -293,6 +293,12 @@ async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> Non
         assert (err.value.status, err.value.param) == (400, "tools[0].function.name")
         with pytest.raises(AnalysisSkipped):
             await an.analyze("m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
+        # bytes that do not parse fail that request only: the worker answers the next one
+        with pytest.raises(AnalysisSkipped) as skip:
+            await an.analyze("m", "chat", body("x"), raw=b'{"messages": [')
+        assert skip.value.reason.startswith("worker_error: JSONDecodeError")
+        assert an.skipped["worker_error"] == 1
+        assert await an.analyze("m", "chat", body("after"), raw=orjson.dumps(body("after")))
         assert all(w.restarts == 0 for w in an.workers)
     finally:
         await an.aclose()
