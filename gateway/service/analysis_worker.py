@@ -21,8 +21,10 @@ one request at a time, in order; its first frame says it is ready (its pid).
 A worker that dies (EOF on the socket) fails every request in flight with :class:`WorkerDied`
 and is started again at once (after a growing delay if it died before it was ready, so a worker
 that cannot start does not spin); requests meanwhile fail with :class:`WorkerDied` too. The
-worker exits when the gateway closes its end (and ignores SIGINT: the gateway's lifespan stops
-it). Marshal is safe here: both ends are this program.
+worker exits when the gateway closes its end, which the gateway's lifespan does, or the kernel
+when the gateway dies. It ignores SIGINT and SIGTERM, so a Ctrl-C or a SIGTERM sent to the whole
+process group leaves it serving the requests the gateway drains. Marshal is safe here: both
+ends are this program.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class Arena:
 def _serve(sock: socket.socket, specs: Sequence[Spec], cache_bytes: int, nice: int) -> None:
     """The worker's main: load the tokenizers, say ready, answer frames until EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice:
         os.nice(nice)
     toks = {name: ChatTokenizer(path, bs, seed, cache_bytes) for name, path, bs, seed in specs}
