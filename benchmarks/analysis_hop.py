@@ -3,18 +3,24 @@
 1. ``hit``: ``ChatTokenizer.prompt_info`` on the ~647 KB body of ``benchmarks.overhead`` sent again
    (a content-keyed cache hit), in this checkout and, with ``--base-src DIR``, in another one (a
    subprocess each, interleaved): what the analysis worker spends once the body is cached.
-2. ``hop``: handing the raw body to a worker process of a ``ProcessPoolExecutor`` that parses it,
-   through the pool's pipe (what the gateway does), through a ``SharedMemory`` block made per
-   request, and through one shared-memory arena made once: CPU of this process and of the
-   worker, and wall time, per request.
+2. ``round trip``: ``PromptAnalyzer.analyze`` of that body (raw bytes, no token ids back, its
+   default ``analysis.mode: process``), in this checkout and in the ``--base-src`` one (a
+   subprocess each, interleaved, pinned to one core with its workers): CPU per request of the
+   gateway-side process (the event loop and any thread it has) and of its worker processes, and
+   wall time: the hop to a worker and back, as the gateway pays it, plus the cache hit.
+3. ``hop``: handing the raw body to a worker process of a ``ProcessPoolExecutor`` that parses it,
+   through the pool's pipe, through a ``SharedMemory`` block made per request, and through one
+   shared-memory arena made once: CPU of this process and of the worker, and wall time, per
+   request.
 
-    python -m benchmarks.analysis_hop --base-src /tmp/o10-base --repeat 2
+    python -m benchmarks.analysis_hop --base-src /work/main --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -44,6 +50,46 @@ def _hit(n: int, tokenizer_dir: str) -> None:
         tok.prompt_info("chat", body)
         ts.append(time.process_time() - t0)
     print(f"{statistics.median(ts) * 1e3:.3f}")
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's live children (its analysis workers)."""
+    total = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += _cpu_pid(int(pid))
+    return total
+
+
+def _round_trip(n: int, tokenizer_dir: str) -> None:
+    """In a subprocess whose PYTHONPATH picks the checkout: CPU ms per request of this process
+    and of its workers, and wall ms, for ``PromptAnalyzer.analyze`` of the repeated body."""
+    import asyncio
+
+    from benchmarks.overhead import large_body
+    from gateway.config import AnalysisConfig, ModelConfig
+    from gateway.service.analysis import PromptAnalyzer
+
+    raw = large_body()
+    body = orjson.loads(raw)
+
+    async def go() -> tuple[float, float, float]:
+        model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
+        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        try:
+            await an.wait_ready()
+            for _ in range(5):  # the first fills the worker's cache
+                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+            c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
+            for _ in range(n):
+                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+            return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
+        finally:
+            await an.aclose()
+
+    parent, workers, wall = asyncio.run(go())
+    print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -127,9 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer-dir", default="/tmp/agentgw-bench-tiny-llama")
     ap.add_argument("--core", type=int, default=1, help="pin this process (and its worker) here")
     ap.add_argument("--hit-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trip-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-hop", action="store_true", help="leave out the third table")
     args = ap.parse_args(argv)
     if args.hit_child:
         _hit(args.n, args.tokenizer_dir)
+        return
+    if args.trip_child:
+        _round_trip(args.n, args.tokenizer_dir)
         return
     from gateway.local.tiny_model import build_tiny_model
 
@@ -140,16 +191,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| cache hit on the 647 KB body | CPU ms per request (median of {args.n}), runs |")
     print("|---|---|")
     got: dict[str, list[str]] = {label: [] for label, _ in srcs}
+    trips: dict[str, list[list[float]]] = {label: [] for label, _ in srcs}
     for _ in range(args.repeat):  # interleaved
         for label, src in srcs:
             # as a script: the checkout's own gateway and benchmarks come first on the path
-            argv2 = [sys.executable, str(Path(__file__).resolve()), "--hit-child", "-n", str(args.n)]
-            argv2 += ["--tokenizer-dir", tok_dir]
             env = dict(os.environ, PYTHONPATH=f"{Path(src).resolve()}{os.pathsep}{REPO}")
-            out = subprocess.run(argv2, env=env, capture_output=True, text=True, check=True, cwd=src)
-            got[label].append(out.stdout.strip())
+            for flag, n in (("--hit-child", args.n), ("--trip-child", args.n * 5)):
+                argv2 = [sys.executable, str(Path(__file__).resolve()), flag, "-n", str(n)]
+                argv2 += ["--tokenizer-dir", tok_dir]
+                out = subprocess.run(argv2, env=env, capture_output=True, text=True, check=True, cwd=src)
+                if flag == "--hit-child":
+                    got[label].append(out.stdout.strip())
+                else:
+                    trips[label].append([float(x) for x in out.stdout.split()])
     for label, vals in got.items():
         print(f"| {label} | {', '.join(vals)} |")
+    print()
+    print(
+        f"| PromptAnalyzer.analyze round trip, 647 KB body ({args.n * 5} requests a run) "
+        "| gateway-side CPU ms | worker CPU ms | total CPU ms | wall ms | runs (total CPU) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, runs in trips.items():
+        med = [statistics.median(r[k] for r in runs) for k in range(3)]
+        tot = ", ".join(f"{r[0] + r[1]:.2f}" for r in runs)
+        print(f"| {label} | {med[0]:.2f} | {med[1]:.2f} | {med[0] + med[1]:.2f} | {med[2]:.2f} | {tot} |")
+    if args.skip_hop:
+        return
     print()
     print("| hop of the 647 KB body to a worker | this process CPU ms | worker CPU ms | wall ms |")
     print("|---|---|---|---|")

@@ -586,12 +586,18 @@ def measure(bench: Bench, target: Target, case: Case, bodies: Bodies, rep: int) 
         spy = start_py_spy(
             pid, args.py_spy / f"{target.name}-{case.name}-r{rep}.txt", args.duration, load_core
         )
+    gateway = target.name.startswith("gateway")
+    skipped0 = analysis_skipped(target.base_url) if gateway else {}
     cpu0 = cpu_seconds(pid)
     row: dict = {"target": target.name, "case": case.name}
     script, arg = bodies.wrk_args(case.size)
     row.update(run_wrk(target.url, arg, case.concurrency, args.duration, load_core, script))
     if row["requests"]:
         row["cpu_us_per_req"] = (cpu_seconds(pid) - cpu0) / row["requests"] * 1e6
+        if gateway:  # routed on the approximate index (analysis skipped: backlog, budget, ...)
+            skipped = analysis_skipped(target.base_url)
+            row["approx_by_reason"] = {k: v - skipped0.get(k, 0.0) for k, v in skipped.items()}
+            row["approx_pct"] = sum(row["approx_by_reason"].values()) / row["requests"] * 100
     if spy is not None:
         spy.wait(60)
     if case.concurrency in args.ttft_conc:
@@ -601,6 +607,24 @@ def measure(bench: Bench, target: Target, case: Case, bodies: Bodies, rep: int) 
     if target.proc.proc.poll() is not None:
         raise RuntimeError(f"{target.name} exited during {case.name}:\n{target.proc.log_tail()}")
     return row
+
+
+def analysis_skipped(base_url: str) -> dict[str, float]:
+    """The gateway's ``agentgw_analysis_skipped_total`` by reason (empty when not exposed)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("agentgw_analysis_skipped_total{"):
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else "?"
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
 
 
 def start_py_spy(pid: int, out: Path, duration_s: float, core: int | None) -> subprocess.Popen[bytes]:
@@ -647,6 +671,7 @@ _METRICS = (
     "cpu_us_per_req",
     "peak_rss_mib",
     "errors",
+    "approx_pct",
 )
 
 
@@ -914,6 +939,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"[overhead] rep {rep} {t.name:>15} {case.name:>10}: "
                             f"p50 {row.get('p50_ms', nan):.2f} ms p99 {row.get('p99_ms', nan):.2f} ms "
                             f"{row['rps']:,.0f} req/s"
+                            + (
+                                f", approx {row['approx_pct']:.0f}% {row['approx_by_reason']}"
+                                if "approx_pct" in row
+                                else ""
+                            )
                             + (f", TTFT p50 {row['ttft_p50_ms']:.2f} ms" if "ttft_p50_ms" in row else ""),
                             file=sys.stderr,
                             flush=True,
@@ -926,6 +956,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(render_ratios(rows))
         print()
+        approx = [f"{r['target']} {r['case']} {r['approx_pct']:.0f}%" for r in rows if "approx_pct" in r]
+        if approx:
+            print("routed on the approximate index (analysis skipped), median share: " + ", ".join(approx))
+            print()
         sizes = bodies.sizes_note()
         print("what each row ran:")
         for t in bench.targets:

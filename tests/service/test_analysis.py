@@ -148,17 +148,18 @@ async def test_mid_sized_prompts_use_the_thread_lane(tiny_llama: Path) -> None:
 
 
 async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: Path) -> None:
-    """Bodies of 64 KiB to 1 MiB are written into the worker's shared-memory arena (the pipe
-    carries their place); more in flight than the arena has slots, or a larger body, go through
-    the pipe; every answer equals the tokenizer's and every slot comes back."""
-    from gateway.service import analysis
+    """Bodies of 64 KiB to 1 MiB are written into the worker's shared-memory arena (the socket
+    carries their place), one slot per request the backlog admits; a larger body goes through
+    the socket (in several writes: more than its buffer); every answer equals the tokenizer's
+    and every slot comes back."""
+    from gateway.service import analysis_worker as analysis
 
     cfg = AnalysisConfig(mode="process", thread_chars=0, workers=1, small_workers=1, budget_ms=600_000)
     an = PromptAnalyzer(models(tiny_llama), cfg)
     ref = ChatTokenizer(tiny_llama, 128, "0")
     try:
         await an.wait_ready()
-        bodies = [body(f"request {i} " + "word " * 14_000) for i in range(analysis.ARENA_SLOTS + 4)]
+        bodies = [body(f"request {i} " + "word " * 14_000) for i in range(cfg.max_backlog - 1)]
         bodies.append(body("huge " + "word " * 230_000))  # > 1 MiB: the pipe
         raws = [orjson.dumps(b) for b in bodies]
         assert all(analysis.ARENA_MIN_BYTES <= len(r) <= analysis.ARENA_SLOT_BYTES for r in raws[:-1])
@@ -169,10 +170,151 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
         for b, info in zip(bodies, infos, strict=True):
             want = ref.prompt_info("chat", b)
             assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
-        arenas = [a for lane in an.lanes.values() for a in lane.arenas if a._shm is not None]
+        arenas = [w.arena for w in an.workers if w.arena.shm is not None]
         assert len(arenas) == 1  # the lane these bodies went to made its arena; nobody else did
-        assert sorted(arenas[0]._free) == list(range(analysis.ARENA_SLOTS))  # every slot back
-        name = arenas[0]._shm.name if arenas[0]._shm else ""
+        assert sorted(arenas[0].free) == list(range(cfg.max_backlog))  # one slot per backlog place: all back
+        name = arenas[0].shm.name if arenas[0].shm else ""
     finally:
         await an.aclose()
     assert not Path("/dev/shm", name.lstrip("/")).exists()  # unlinked on close
+
+
+def _reaped(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(2400):  # up to 120 s: the event, not the time, is what is checked
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition never held")
+
+
+async def test_a_worker_killed_mid_request_fails_it_cleanly_and_is_restarted(tiny_llama: Path) -> None:
+    """The request in flight to a worker that dies is skipped (``worker_died``, counted), its
+    arena slot comes back, and the next request is answered by a new worker process, exactly."""
+    import os
+    import signal
+
+    metrics = GatewayMetrics()
+    cfg = AnalysisConfig(mode="process", thread_chars=0, small_chars=1000, budget_ms=600_000)
+    an = PromptAnalyzer(models(tiny_llama), cfg, metrics)
+    ref = ChatTokenizer(tiny_llama, 128, "0")
+    try:
+        await an.wait_ready()
+        large = an.lanes["large"]
+        (worker,) = large.workers()
+        old_pid = worker.pid
+        assert old_pid is not None
+        b = body("doomed", n=150)  # ~750 KB of JSON: through the arena
+        task = asyncio.create_task(an.analyze("m", "chat", b, raw=orjson.dumps(b)))
+        await _until(lambda: large.backlog[0] == 1)
+        os.kill(old_pid, signal.SIGKILL)
+        with pytest.raises(AnalysisSkipped) as skip:
+            await task
+        assert skip.value.reason == "worker_died" and an.skipped == {"worker_died": 1}
+        assert b'agentgw_analysis_skipped_total{reason="worker_died"} 1.0' in metrics.render()
+        assert large.backlog == [0] and large.queued_chars == [0]
+        assert worker.arena.shm is not None and len(worker.arena.free) == cfg.max_backlog  # slot back
+        assert worker.restarts == 1
+        await an.wait_ready()
+        assert worker.pid not in (None, old_pid)
+        nxt = body("next", n=150)
+        info = await an.analyze("m", "chat", nxt, raw=orjson.dumps(nxt))
+        want = ref.prompt_info("chat", nxt)
+        assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
+        await _until(lambda: _reaped(old_pid))  # the dead worker is not left a zombie
+        assert an.skipped == {"worker_died": 1}
+    finally:
+        await an.aclose()
+
+
+async def test_shutdown_stops_every_worker_and_fails_what_is_in_flight(tiny_llama: Path) -> None:
+    import multiprocessing
+
+    cfg = AnalysisConfig(mode="process", thread_chars=0, small_chars=1000, budget_ms=600_000)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    await an.wait_ready()
+    workers = an.workers
+    pids = [w.pid for w in workers]
+    assert len(workers) == 2 and None not in pids
+    big = body("in flight", n=150)
+    task = asyncio.create_task(an.analyze("m", "chat", big, raw=orjson.dumps(big)))
+    await _until(lambda: an.lanes["large"].backlog[0] == 1)
+    shm = workers[0].arena.shm
+    assert shm is not None
+    await an.aclose()
+    with pytest.raises(AnalysisSkipped) as skip:
+        await task
+    assert skip.value.reason == "worker_died"
+    assert all(pid is not None and _reaped(pid) for pid in pids)  # exited and reaped
+    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+    assert not Path("/dev/shm", shm.name.lstrip("/")).exists()
+    assert all(w.restarts == 0 for w in workers)  # a stopped worker is not started again
+    with pytest.raises(AnalysisSkipped) as skip:  # after shutdown: approximate, not a crash
+        await an.analyze("m", "chat", big)
+    assert skip.value.reason == "closed"
+
+
+async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> None:
+    """Through the socket (small and large bodies, raw bytes or a converted dict, with and
+    without token ids, a 400, an unsupported template) the answer is the inline analyser's."""
+    inline = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="inline"))
+    cfg = AnalysisConfig(mode="process", inline_chars=0, thread_chars=0, small_chars=5000)
+    an = PromptAnalyzer(models(tiny_llama), cfg)
+    try:
+        await an.wait_ready()
+        tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+        cases = [
+            body("hi"),
+            body("hello " * 2000),
+            {**body("with tools " * 100), "tools": tools},
+            {**body("salted " * 100), "cache_salt": "t1"},
+            body("long " * 50_000, n=20),
+        ]
+        for b in cases:
+            want = await inline.analyze("m", "chat", b)
+            assert want is not None
+            for raw, tokens in ((orjson.dumps(b), True), (orjson.dumps(b), False), (None, True)):
+                got = await an.analyze("m", "chat", b, raw=raw, tokens=tokens)
+                assert got is not None
+                assert (got.num_tokens, got.hashes) == (want.num_tokens, want.hashes)
+                assert list(got.tokens) == (list(want.tokens) if tokens else [])
+        bad = {**body("x"), "tools": [{"type": "function", "function": {}}]}
+        with pytest.raises(ApiError) as err:
+            await an.analyze("m", "chat", bad, raw=orjson.dumps(bad))
+        assert (err.value.status, err.value.param) == (400, "tools[0].function.name")
+        with pytest.raises(AnalysisSkipped):
+            await an.analyze("m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
+        # bytes that do not parse fail that request only: the worker answers the next one
+        with pytest.raises(AnalysisSkipped) as skip:
+            await an.analyze("m", "chat", body("x"), raw=b'{"messages": [')
+        assert skip.value.reason.startswith("worker_error: JSONDecodeError")
+        assert an.skipped["worker_error"] == 1
+        assert await an.analyze("m", "chat", body("after"), raw=orjson.dumps(body("after")))
+        assert all(w.restarts == 0 for w in an.workers)
+    finally:
+        await an.aclose()
+
+
+def test_an_arena_with_no_free_slot_sends_through_the_socket() -> None:
+    from gateway.service.analysis_worker import ARENA_MIN_BYTES, Arena
+
+    arena = Arena(2)
+    raw = b"x" * ARENA_MIN_BYTES
+    try:
+        got = [arena.put(raw) for _ in range(3)]
+        assert got[0] is not None and got[1] is not None and got[2] is None  # full: the socket
+        assert arena.put(b"small") is None  # under 64 KiB: the socket
+        arena.release(got[0][1])
+        again = arena.put(raw)
+        assert again is not None and again[1] == got[0][1]
+    finally:
+        arena.close()
