@@ -116,7 +116,7 @@ class AnalysisConfig(_Strict):
     in a thread of the gateway process instead of a worker process (no pickling round trip)."""
     small_chars: int = Field(32_768, ge=0)
     """Prompts with fewer characters of text go to the small lane."""
-    large_nice: int = Field(10, ge=0, le=19)
+    large_nice: int = Field(5, ge=0, le=19)
     """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
     budget_ms: float = Field(2000.0, gt=0)
     """Longest wait for one analysis; past it the request is routed on the approximate index."""
