@@ -13,6 +13,12 @@ cache. Layouts: ``wall`` and ``cost`` and ``cost+ctl`` with 1 first-turn + 2 war
 ``agentgw serve`` lays out), ``one pool`` (role ``any``). Prints live_replay's table (hit rate
 from usage and from the engines' counters, TTFT, P90 interactivity, recomputed tokens) and writes
 a JSON report.
+
+``--long-prefill-token-thresholds 0,256`` repeats the whole run once per value of vLLM's
+``--long-prefill-token-threshold`` (0: the flag not passed), restarting the engines with it (the
+issue's engine-side head-of-line control, confirmed on real engines: the simulator's sweep is in
+docs/benchmarks_sim.md, "Engine flags"); the cost model's chunk is the smaller of it and
+``--max-num-batched-tokens``. Rows are labelled ``LAYOUT, cap N``.
 """
 
 from __future__ import annotations
@@ -86,18 +92,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--out", default="benchmarks/out/split_live.json")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--long-prefill-token-thresholds",
+        default="0",
+        help="comma-separated values of vLLM's --long-prefill-token-threshold, one run each (0: not passed)",
+    )
     args = ap.parse_args(argv)
+    caps = [int(x) for x in args.long_prefill_token_thresholds.split(",") if x.strip()]
+    report: dict[str, Any] = {"args": vars(args), "runs": {}}
+    rows: list[Any] = []
+    for cap in caps:
+        run_caps(args, cap, report, rows, label_cap=len(caps) > 1 or cap > 0)
+    print()
+    print(format_table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+def run_caps(
+    args: argparse.Namespace, cap: int, report: dict[str, Any], rows: list[Any], label_cap: bool
+) -> None:
+    """Start the engines (with ``--long-prefill-token-threshold cap`` when > 0), calibrate, and
+    replay every layout through a gateway over them."""
 
     from gateway.local.engines import start_engines
 
-    plays, st, specs, work, gw_port = replay_setup(
-        args, "agentgw-split-live-", ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
-    )
+    flags: tuple[str, ...] = ("--max-num-batched-tokens", str(args.max_num_batched_tokens))
+    if cap > 0:
+        flags += ("--long-prefill-token-threshold", str(cap))
+    plays, st, specs, work, gw_port = replay_setup(args, "agentgw-split-live-", flags)
     model_dir = specs[0].model_dir
     t = time.perf_counter()
     engines = start_engines(specs, timeout_s=400)
-    report: dict[str, Any] = {"trace": st, "args": vars(args), "runs": {}}
-    rows = []
+    report["trace"] = st
     try:
         print(f"{args.workers} engines ready in {time.perf_counter() - t:.0f} s", flush=True)
         block_size = int(cache_config_info(specs[0].url).get("block_size") or 128)
@@ -106,10 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         cost = {
             "cost_prefill_ms": [perf.p0, perf.p1, perf.p2],
             "cost_decode_ms": [perf.d0, 0.0, 0.0],
-            "cost_chunk_tokens": args.max_num_batched_tokens,
+            "cost_chunk_tokens": min(args.max_num_batched_tokens, cap)
+            if cap > 0
+            else args.max_num_batched_tokens,
         }
         print(f"calibration: TTFT(ms) {cal['points_ms']}, ITL {cal['itl_ms']} ms", flush=True)
-        report["cost"] = cost
+        report.setdefault("cost", {})[str(cap)] = cost
         salt = random.randrange(1 << 30)
         for i, layout in enumerate(x for x in args.layouts.split(",") if x):
             cfg = gateway_config(layout, specs, model_dir, block_size, cost)
@@ -122,23 +154,17 @@ def main(argv: list[str] | None = None) -> int:
                     salt=salt + i,
                     progress=not args.no_progress,
                 )
-                m, _ = run_live(plays, live, [s.url for s in specs], label=layout)
+                label = f"{layout}, cap {cap}" if label_cap else layout
+                m, _ = run_live(plays, live, [s.url for s in specs], label=label)
             finally:
                 gw.terminate()
                 gw.wait(30)
             rows.append(m)
-            report["runs"][layout] = m.as_dict()
+            report["runs"][label] = m.as_dict()
             print(format_table([m]), flush=True)
     finally:
         for e in engines:
             e.stop()
-    print()
-    print(format_table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
