@@ -47,6 +47,7 @@ again, `lease_retries` counts them), `verify_checksum` (true), `max_key_cache` (
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -85,7 +86,9 @@ from vllm.v1.kv_offload.tiering.base import (
 import kernels
 from engine_ext.retention import make_retention, offers
 from engine_ext.tiers.breaker import GuardedStore
-from engine_ext.tiers.store import ObjectStore, StoreUnavailable, get_into_renewing_leases
+from engine_ext.tiers.store import RETRY_BACKOFF_S, ObjectStore, StoreUnavailable, get_into_renewing_leases
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -500,20 +503,40 @@ class ObjectStoreTier(SecondaryTierManager):
             with self._stats_lock:
                 self.counters.lease_retries += again
         good = [rc == size for rc in rcs]
+        if not all(good):
+            logger.warning(
+                "object tier: %d of %d gets failed (rc %s)",
+                good.count(False),
+                len(good),
+                sorted({rc for rc in rcs if rc != size}),
+            )
         if self._verify and any(good):
             crc_names = [n + ".crc" for n in names]
             crcs = self.store.batch_get_bytes(crc_names)
-            for _ in range(self._lease_retries):  # an empty answer: a lapsed lease, or no sidecar
+            for attempt in range(self._lease_retries):  # an empty answer: a lapsed lease, or no sidecar
                 idx = [i for i in range(len(names)) if good[i] and len(crcs[i]) != 4]
                 if not idx:
                     break
+                if attempt:
+                    time.sleep(RETRY_BACKOFF_S * attempt)
                 for i, v in zip(idx, self.store.batch_get_bytes([crc_names[i] for i in idx]), strict=True):
                     crcs[i] = v
+            missing = mismatched = 0
             for i, c in enumerate(chunk_ids):
                 if good[i]:
                     good[i] = len(crcs[i]) == 4 and zlib.crc32(self._primary[c]) == int.from_bytes(
                         crcs[i], "big"
                     )
+                    if not good[i]:
+                        missing += len(crcs[i]) != 4
+                        mismatched += len(crcs[i]) == 4
+            if missing or mismatched:
+                logger.warning(
+                    "object tier: %d checksum sidecars unread, %d checksums mismatched, of %d chunks",
+                    missing,
+                    mismatched,
+                    len(names),
+                )
         return good
 
     def _load_fp8(self, names: list[str], chunk_ids: list[int]) -> list[bool]:

@@ -10,22 +10,27 @@ gets), negative is an error code.
   `engine_ext.tiers.breaker.GuardedStore` can stop calling until it is back.
 - `MemoryObjectStore`: an in-process dict, for unit tests and fault injection.
 
-`get_into_renewing_leases` re-reads the keys a batched get failed with `LEASE_EXPIRED`: Mooncake
-grants a read lease (the master's `default_kv_lease_ttl`) when it hands out an object's replica
-and fails the get when the transfer ends after it, so a read slowed down by a loaded machine or a
-peer whose transfer thread is not scheduled fails although the object is there; a new get takes a
-new lease. Bounded by `retries`; any other error is returned as it is.
+`get_into_renewing_leases` re-reads the keys a batched get failed with a transient error:
+`LEASE_EXPIRED` (Mooncake grants a read lease, the master's `default_kv_lease_ttl`, when it hands
+out an object's replica and fails the get when the transfer ends after it, so a read slowed down
+by a loaded machine or a peer whose transfer thread is not scheduled fails although the object is
+there; a new get takes a new lease), `TRANSFER_FAIL` and `RPC_TIMEOUT` (the same slow peer or
+master, seen from the transfer or the RPC), `REPLICA_IS_NOT_READY` (a put still completing) and
+`NO_AVAILABLE_HANDLE`. Bounded by `retries`; any other error (`OBJECT_NOT_FOUND`: evicted or never
+stored) is returned as it is, and so is a transient one that outlasts the retries.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Protocol
 
 __all__ = [
     "LEASE_EXPIRED",
     "RPC_FAIL",
+    "TRANSIENT_GET_ERRORS",
     "MemoryObjectStore",
     "MooncakeObjectStore",
     "ObjectStore",
@@ -38,6 +43,13 @@ RPC_FAIL = -900
 
 #: Mooncake's error code for a get whose transfer finished after its read lease expired.
 LEASE_EXPIRED = -707
+
+RETRY_BACKOFF_S = 0.05
+"""Pause before the second and later re-reads (x the attempt), on the tier's I/O thread."""
+
+#: Mooncake's error codes (mooncake-store types.h) after which the same get may succeed.
+TRANSIENT_GET_ERRORS = frozenset({LEASE_EXPIRED, -800, -901, -703, -200})
+"""LEASE_EXPIRED, TRANSFER_FAIL, RPC_TIMEOUT, REPLICA_IS_NOT_READY, NO_AVAILABLE_HANDLE."""
 
 
 class StoreUnavailable(RuntimeError):
@@ -64,14 +76,17 @@ class ObjectStore(Protocol):
 def get_into_renewing_leases(
     store: ObjectStore, keys: list[str], ptrs: list[int], sizes: list[int], retries: int
 ) -> tuple[list[int], int]:
-    """`batch_get_into`, then up to `retries` more gets of the keys that failed with
-    `LEASE_EXPIRED`; returns the per-key results and how many keys were read again."""
+    """`batch_get_into`, then up to `retries` more gets of the keys that failed with a
+    transient error (`TRANSIENT_GET_ERRORS`); returns the per-key results and how many keys were
+    read again."""
     rcs = store.batch_get_into(keys, ptrs, sizes)
     again = 0
-    for _ in range(retries):
-        idx = [i for i, rc in enumerate(rcs) if rc == LEASE_EXPIRED]
+    for attempt in range(retries):
+        idx = [i for i, rc in enumerate(rcs) if rc in TRANSIENT_GET_ERRORS]
         if not idx:
             break
+        if attempt:
+            time.sleep(RETRY_BACKOFF_S * attempt)  # a busy peer: give it a moment (I/O thread)
         again += len(idx)
         for i, rc in zip(
             idx,

@@ -1,4 +1,4 @@
-"""`get_into_renewing_leases`: keys a get failed with LEASE_EXPIRED are read again, within a bound.
+"""`get_into_renewing_leases`: keys a get failed with a transient error are read again, within a bound.
 
 The store is `MemoryObjectStore` with faults injected the way Mooncake reports them: a key's
 first reads answer -707 (the transfer outlived its read lease) although the object is there.
@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
+
 from engine_ext.tiers.store import LEASE_EXPIRED, MemoryObjectStore, get_into_renewing_leases
 
 SIZE = 64
 
 
 class LapsingStore(MemoryObjectStore):
-    """Answers LEASE_EXPIRED for the first `lapses[key]` reads of a key."""
+    """Answers `code` (LEASE_EXPIRED by default) for the first `lapses[key]` reads of a key."""
 
-    def __init__(self, lapses: dict[str, int]) -> None:
+    def __init__(self, lapses: dict[str, int], code: int = LEASE_EXPIRED) -> None:
         super().__init__()
+        self.code = code
         self.lapses = dict(lapses)
         self.reads: list[list[str]] = []
 
@@ -27,7 +30,7 @@ class LapsingStore(MemoryObjectStore):
         for i, k in enumerate(keys):
             if self.lapses.get(k, 0) > 0:
                 self.lapses[k] -= 1
-                out[i] = LEASE_EXPIRED
+                out[i] = self.code
         return out
 
 
@@ -64,3 +67,22 @@ def test_no_retries_is_one_get() -> None:
     store = LapsingStore({"a": 1})
     _, ptrs = _setup(store, ["a"])
     assert get_into_renewing_leases(store, ["a"], ptrs, [SIZE], retries=0) == ([LEASE_EXPIRED], 0)
+
+
+@pytest.mark.parametrize(
+    ("code", "retried"),
+    [
+        (-800, True),  # TRANSFER_FAIL: a peer too slow to serve its segment
+        (-901, True),  # RPC_TIMEOUT
+        (-703, True),  # REPLICA_IS_NOT_READY: a put still completing
+        (-200, True),  # NO_AVAILABLE_HANDLE
+        (-704, False),  # OBJECT_NOT_FOUND: evicted, a second get cannot find it either
+        (-600, False),  # INVALID_PARAMS
+    ],
+)
+def test_transient_errors_are_read_again_and_final_ones_are_not(code: int, retried: bool) -> None:
+    store = LapsingStore({"a": 1}, code=code)
+    _buf, ptrs = _setup(store, ["a"])  # the buffer the gets write into, kept alive
+    rcs, again = get_into_renewing_leases(store, ["a"], ptrs, [SIZE], retries=2)
+    assert (rcs, again) == (([SIZE], 1) if retried else ([code], 0))
+    assert len(store.reads) == (2 if retried else 1)
