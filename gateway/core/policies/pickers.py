@@ -143,8 +143,9 @@ class StickyBounded:
         natural: Candidate,
         candidates: Sequence[Candidate],
     ) -> Pick | None:
-        """``kv_balance``: the cheapest engine where the turn stays under the decode knee, when
-        ``natural`` (the home, or the best score) is past it; None to keep ``natural``."""
+        """``kv_balance``: of the engines where the turn stays under the decode knee within
+        ``move_max_s`` of ``natural``'s cost, the one with the most room (then the cheapest),
+        when ``natural`` (the home, or the best score) is past it; None to keep ``natural``."""
         if self.decode_kv_high >= self.kv_high or _fits(views[natural.engine], req, self.decode_kv_high):
             return None
         stay = self._cost(req, snap, natural.engine)
