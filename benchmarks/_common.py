@@ -43,10 +43,11 @@ def default_weka_traces() -> Path:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, from below the ephemeral range
+    (`gateway.local.engines.free_port`: a bind(0) elsewhere cannot take it before our server binds)."""
+    from gateway.local.engines import free_port as pick
+
+    return pick()
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -99,10 +100,10 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` and its live descendants."""
+def cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """User + system CPU time of ``pid`` and (unless told not to) its live descendants."""
     total = 0
-    for p in process_tree(pid):
+    for p in process_tree(pid) if descendants else [pid]:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -134,7 +135,14 @@ def percentile(sorted_values: list[float], q: float) -> float:
 class ManagedProcess:
     """A child process with its output in a log file, stopped with SIGTERM then SIGKILL."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_dir / f"{name}.log"
@@ -145,6 +153,7 @@ class ManagedProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
 

@@ -8,7 +8,12 @@
    subprocess each, interleaved, pinned to one core with its workers): CPU per request of the
    gateway-side process (the event loop and any thread it has) and of its worker processes, and
    wall time: the hop to a worker and back, as the gateway pays it, plus the cache hit.
-3. ``hop``: handing the raw body to a worker process of a ``ProcessPoolExecutor`` that parses it,
+3. ``agent turns``: ``PromptAnalyzer.analyze`` (mode process) of ``benchmarks.overhead``'s
+   agentic mix at the seeds' median of 43 turns (``--turn-sessions`` sessions, 8K to 150K tokens,
+   ~3.4K new tokens a turn), each body once, in order, in a fresh gateway-side process: every turn
+   is new, so each one renders, encodes its new text and hashes its new blocks, as a live agent
+   session does. In this checkout and in the ``--base-src`` one, interleaved.
+4. ``hop``: handing the raw body to a worker process of a ``ProcessPoolExecutor`` that parses it,
    through the pool's pipe, through a ``SharedMemory`` block made per request, and through one
    shared-memory arena made once: CPU of this process and of the worker, and wall time, per
    request.
@@ -92,6 +97,35 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
 
 
+def _turns(sessions: int, tokenizer_dir: str) -> None:
+    """In a subprocess whose PYTHONPATH picks the checkout: CPU ms per request of this process
+    and of its workers, and wall ms, for ``PromptAnalyzer.analyze`` of cold agent turns."""
+    import asyncio
+
+    from benchmarks.overhead import agentic_bodies
+    from gateway.config import AnalysisConfig, ModelConfig
+    from gateway.service.analysis import PromptAnalyzer
+
+    raws = [raw for _, raw in agentic_bodies(sessions, 43)]
+    bodies = [orjson.loads(r) for r in raws]
+
+    async def go() -> tuple[float, float, float]:
+        model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
+        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        try:
+            await an.wait_ready()
+            c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
+            for raw, body in zip(raws, bodies, strict=True):
+                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+            return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
+        finally:
+            await an.aclose()
+
+    parent, workers, wall = asyncio.run(go())
+    n = len(raws)
+    print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
+
+
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
     buf = shm.buf
     assert buf is not None
@@ -165,6 +199,13 @@ def hop(n: int, repeat: int) -> list[tuple[str, float, float, float]]:
     return rows
 
 
+def _cpu_rows(table: dict[str, list[list[float]]]) -> None:
+    for label, runs in table.items():
+        med = [statistics.median(r[k] for r in runs) for k in range(3)]
+        tot = ", ".join(f"{r[0] + r[1]:.2f}" for r in runs)
+        print(f"| {label} | {med[0]:.2f} | {med[1]:.2f} | {med[0] + med[1]:.2f} | {med[2]:.2f} | {tot} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.analysis_hop", description=__doc__.split("\n")[0])
     ap.add_argument("--base-src", default="", help="another checkout for the hit path, same run")
@@ -174,13 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--core", type=int, default=1, help="pin this process (and its worker) here")
     ap.add_argument("--hit-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trip-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--skip-hop", action="store_true", help="leave out the third table")
+    ap.add_argument("--turns-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--turn-sessions", type=int, default=2, help="sessions of 43 turns in the agent-turn table"
+    )
+    ap.add_argument("--skip-hop", action="store_true", help="leave out the last table")
     args = ap.parse_args(argv)
     if args.hit_child:
         _hit(args.n, args.tokenizer_dir)
         return
     if args.trip_child:
         _round_trip(args.n, args.tokenizer_dir)
+        return
+    if args.turns_child:
+        _turns(args.n, args.tokenizer_dir)
         return
     from gateway.local.tiny_model import build_tiny_model
 
@@ -192,18 +240,25 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|")
     got: dict[str, list[str]] = {label: [] for label, _ in srcs}
     trips: dict[str, list[list[float]]] = {label: [] for label, _ in srcs}
+    turns: dict[str, list[list[float]]] = {label: [] for label, _ in srcs}
     for _ in range(args.repeat):  # interleaved
         for label, src in srcs:
             # as a script: the checkout's own gateway and benchmarks come first on the path
             env = dict(os.environ, PYTHONPATH=f"{Path(src).resolve()}{os.pathsep}{REPO}")
-            for flag, n in (("--hit-child", args.n), ("--trip-child", args.n * 5)):
+            runs = (
+                ("--hit-child", args.n),
+                ("--trip-child", args.n * 5),
+                ("--turns-child", args.turn_sessions),
+            )
+            for flag, n in runs:
                 argv2 = [sys.executable, str(Path(__file__).resolve()), flag, "-n", str(n)]
                 argv2 += ["--tokenizer-dir", tok_dir]
                 out = subprocess.run(argv2, env=env, capture_output=True, text=True, check=True, cwd=src)
                 if flag == "--hit-child":
                     got[label].append(out.stdout.strip())
                 else:
-                    trips[label].append([float(x) for x in out.stdout.split()])
+                    dest = trips if flag == "--trip-child" else turns
+                    dest[label].append([float(x) for x in out.stdout.split()])
     for label, vals in got.items():
         print(f"| {label} | {', '.join(vals)} |")
     print()
@@ -212,10 +267,14 @@ def main(argv: list[str] | None = None) -> None:
         "| gateway-side CPU ms | worker CPU ms | total CPU ms | wall ms | runs (total CPU) |"
     )
     print("|---|---|---|---|---|---|")
-    for label, runs in trips.items():
-        med = [statistics.median(r[k] for r in runs) for k in range(3)]
-        tot = ", ".join(f"{r[0] + r[1]:.2f}" for r in runs)
-        print(f"| {label} | {med[0]:.2f} | {med[1]:.2f} | {med[0] + med[1]:.2f} | {med[2]:.2f} | {tot} |")
+    _cpu_rows(trips)
+    print()
+    print(
+        f"| PromptAnalyzer.analyze of cold agent turns ({args.turn_sessions} sessions x 43 turns, "
+        "each body once) | gateway-side CPU ms | worker CPU ms | total CPU ms | wall ms | runs (total CPU) |"
+    )
+    print("|---|---|---|---|---|---|")
+    _cpu_rows(turns)
     if args.skip_hop:
         return
     print()

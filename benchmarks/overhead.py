@@ -83,7 +83,11 @@ ALL_CASES = (
     "large-c256",
     "agentic-c1",
     "agentic-c64",
+    "turns-c1",
+    "turns-c64",
 )
+PASS_MARK = "#PASS=00000000#"
+"""In the ``turns`` bodies' first user message: wrk writes its pass number here."""
 PEERS = {"naive": ["naive"], "vllm-router": ["vllm-router-rr", "vllm-router-ca"]}
 
 # Port layout, relative to --port-base.
@@ -168,11 +172,13 @@ def agentic_bodies(
     last_tokens: int = 150_000,
     system_tokens: int = 6_000,
     model: str = MODEL,
+    mark: str = "",
 ) -> list[tuple[str, bytes]]:
     """Multi-turn agent sessions as ``(session_id, body)`` in sending order (turn 1 of every
     session, then turn 2, ...). Every session starts with the same ``system_tokens`` system
     prompt; turn k resends turn k-1's messages plus an assistant reply and a tool result, so the
     context grows evenly from ``first_tokens`` to ``last_tokens`` (sized at ``CHARS_PER_TOKEN``).
+    ``mark`` starts each session's first user message (the ``turns`` case's pass number).
     """
     system = _words(random.Random(0), int(system_tokens * CHARS_PER_TOKEN))
     step = (last_tokens - first_tokens) / max(1, turns - 1)
@@ -182,7 +188,10 @@ def agentic_bodies(
         rng = random.Random(1000 + s)
         msgs: list[dict] = [
             {"role": "system", "content": system},
-            {"role": "user", "content": _words(rng, int((first_tokens - system_tokens) * CHARS_PER_TOKEN))},
+            {
+                "role": "user",
+                "content": mark + _words(rng, int((first_tokens - system_tokens) * CHARS_PER_TOKEN)),
+            },
         ]
         history = [list(msgs)]
         for _ in range(1, turns):
@@ -213,6 +222,8 @@ class Bodies:
     dir: Path
     requests: dict[str, list[tuple[str | None, bytes]]]
     """size -> the (session id, body) list sent in order."""
+    passes: int = 0
+    """The last pass base handed to wrk for the ``turns`` bodies."""
 
     def write(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -227,12 +238,17 @@ class Bodies:
                 lines.append(f"{path} {sid or '-'}")
             (self.dir / f"{size}.index").write_text("\n".join(lines) + "\n")
 
-    def wrk_args(self, size: str) -> tuple[Path, Path]:
-        """(lua script, its argument) for ``size``."""
+    def wrk_args(self, size: str) -> tuple[Path, list[str]]:
+        """(lua script, its arguments) for ``size``. Each call for ``turns`` gets passes of its own
+        (wrk numbers them from a base 10,000 above the last call's)."""
         single = self.dir / f"{size}.json"
         if single.exists():
-            return WRK_SCRIPT, single
-        return WRK_BODIES_SCRIPT, self.dir / f"{size}.index"
+            return WRK_SCRIPT, [str(single)]
+        index = str(self.dir / f"{size}.index")
+        if size != "turns":
+            return WRK_BODIES_SCRIPT, [index]
+        self.passes += 10_000
+        return WRK_BODIES_SCRIPT, [index, PASS_MARK, str(self.passes)]
 
     def sizes_note(self) -> dict[str, str]:
         out = {}
@@ -242,6 +258,12 @@ class Bodies:
             note = f"{len(reqs)} bodies, {min(lens) / 1000:,.1f}-{max(lens) / 1000:,.1f} KB"
             if sess:
                 note += f", {len(sess)} sessions (x-agent-session-id)"
+            if size == "turns":
+                note += (
+                    "; wrk writes its pass number into each session's first user message (and its"
+                    " session id): every request is a turn the gateway has not seen, whose history is"
+                    " the previous turn of its session"
+                )
             out[size] = note
         return out
 
@@ -251,10 +273,11 @@ def make_bodies(dir: Path, args: argparse.Namespace) -> Bodies:
         "small": [(None, small_body())],
         "large": [(None, large_body())],
     }
+    mix = (args.agentic_sessions, args.agentic_turns, args.agentic_first, args.agentic_last)
     if any(c.size == "agentic" for c in args.case_list) or args.write_bodies:
-        reqs["agentic"] = list(
-            agentic_bodies(args.agentic_sessions, args.agentic_turns, args.agentic_first, args.agentic_last)
-        )
+        reqs["agentic"] = list(agentic_bodies(*mix))
+    if any(c.size == "turns" for c in args.case_list):
+        reqs["turns"] = list(agentic_bodies(*mix, mark=PASS_MARK))
     return Bodies(dir, reqs)
 
 
@@ -274,14 +297,14 @@ class Case:
     @classmethod
     def parse(cls, text: str) -> Case:
         size, _, conc = text.partition("-c")
-        if size not in ("small", "large", "agentic") or not conc.isdigit() or int(conc) < 1:
-            raise ValueError(f"bad case {text!r}: expected small-cN, large-cN or agentic-cN")
+        if size not in ("small", "large", "agentic", "turns") or not conc.isdigit() or int(conc) < 1:
+            raise ValueError(f"bad case {text!r}: expected small-cN, large-cN, agentic-cN or turns-cN")
         return cls(size, int(conc))
 
 
 def run_wrk(
     url: str,
-    body_path: Path,
+    script_args: list[str],
     concurrency: int,
     duration_s: float,
     load_core: int | None,
@@ -300,7 +323,7 @@ def run_wrk(
         str(script),
         url,
         "--",
-        str(body_path),
+        *script_args,
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 60, check=False)
     for line in proc.stdout.splitlines():
@@ -450,11 +473,11 @@ class Bench:
     def engine_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.port(o)}" for o in ENGINE_OFFSETS]
 
-    def spawn(self, name: str, argv: list[str], port: int) -> ManagedProcess:
+    def spawn(self, name: str, argv: list[str], port: int, cwd: str | None = None) -> ManagedProcess:
         if not port_is_free(port):
             raise RuntimeError(f"port {port} is in use (choose another --port-base)")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return ManagedProcess(name, [*pin_prefix(self.server_core), *argv], self.workdir, env=env)
+        return ManagedProcess(name, [*pin_prefix(self.server_core), *argv], self.workdir, env=env, cwd=cwd)
 
     def start_engines(self) -> None:
         for i, url in enumerate(self.engine_urls()):
@@ -483,7 +506,8 @@ class Bench:
             print(f"[overhead] skipping {name}: {got}", file=sys.stderr)
             return
         argv, port, ready_path = got
-        proc = self.spawn(name, argv, port)
+        cwd = str(Path(self.args.base_src).resolve()) if name == "gateway-base" else None
+        proc = self.spawn(name, argv, port, cwd)
         target = Target(name, f"http://127.0.0.1:{port}", ready_path, proc)
         try:
             wait_http_ok(target.base_url + ready_path, self.args.ready_timeout, proc.proc)
@@ -520,8 +544,16 @@ class Bench:
             src = self.args.base_src
             if not src or not (Path(src) / "gateway" / "__main__.py").exists():
                 return "gateway-base needs --base-src DIR (a checkout of the baseline commit)"
+            # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: run it
+            # from the baseline checkout, or it imports this tree's gateway (as it did before)
+            root = Path(src).resolve()
             argv = [sys.executable, "-m", "gateway", "serve", "--config", str(config)]
-            return ["env", f"PYTHONPATH={Path(src).resolve()}", *argv], port, "/ready"
+            probe = [sys.executable, "-c", "import gateway; print(gateway.__file__)"]
+            env = dict(os.environ, PYTHONPATH=str(root))
+            got = subprocess.run(probe, env=env, cwd=root, capture_output=True, text=True, check=False)
+            if not got.stdout.strip().startswith(str(root)):
+                return f"gateway-base would import {got.stdout.strip() or got.stderr.strip()}, not {root}"
+            return ["env", f"PYTHONPATH={root}", *argv], port, "/ready"
         if self.args.gateway_cmd:
             fmt = {"config": str(config), "port": str(port), "python": sys.executable}
             return [tok.format(**fmt) for tok in shlex.split(self.args.gateway_cmd)], port, "/ready"
@@ -588,12 +620,13 @@ def measure(bench: Bench, target: Target, case: Case, bodies: Bodies, rep: int) 
         )
     gateway = target.name.startswith("gateway")
     skipped0 = analysis_skipped(target.base_url) if gateway else {}
-    cpu0 = cpu_seconds(pid)
+    cpu0, own0 = cpu_seconds(pid), cpu_seconds(pid, descendants=False)
     row: dict = {"target": target.name, "case": case.name}
     script, arg = bodies.wrk_args(case.size)
     row.update(run_wrk(target.url, arg, case.concurrency, args.duration, load_core, script))
     if row["requests"]:
         row["cpu_us_per_req"] = (cpu_seconds(pid) - cpu0) / row["requests"] * 1e6
+        row["cpu_main_us_per_req"] = (cpu_seconds(pid, descendants=False) - own0) / row["requests"] * 1e6
         if gateway:  # routed on the approximate index (analysis skipped: backlog, budget, ...)
             skipped = analysis_skipped(target.base_url)
             row["approx_by_reason"] = {k: v - skipped0.get(k, 0.0) for k, v in skipped.items()}
@@ -669,6 +702,7 @@ _METRICS = (
     "ttft_p50_ms",
     "ttft_p99_ms",
     "cpu_us_per_req",
+    "cpu_main_us_per_req",
     "peak_rss_mib",
     "errors",
     "approx_pct",
@@ -711,7 +745,7 @@ def target_setup(name: str, args: argparse.Namespace) -> str:
             "with the default thresholds: under 2,048 chars on the loop (the small body), under "
             "16,384 in a thread, else a worker process gets the raw body and answers with counts "
             "and block hashes (no token ids: no engine has a control_url); exact vLLM block "
-            "hashes, block 128), hints ON for agentic bodies "
+            "hashes, block 128), hints ON for agentic and turns bodies "
             "(x-agent-session-id; small/large send none), KV events OFF: the prefix index is "
             "updated from routing decisions (as vllm-router cache_aware)"
         )
@@ -772,7 +806,7 @@ def _fmt(v: float | None, nd: int = 2) -> str:
 def render_table(rows: list[dict]) -> str:
     head = (
         "| target | case | p50 ms | p99 ms | req/s | +p50 ms | TTFT p50 | TTFT p99 | +TTFT p50 | "
-        "+TTFT p99 | CPU us/req | peak RSS MiB | errors |"
+        "+TTFT p99 | CPU us/req | of it main process | peak RSS MiB | errors |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -791,6 +825,7 @@ def render_table(rows: list[dict]) -> str:
                     _fmt(r.get("added_ttft_p50_ms")),
                     _fmt(r.get("added_ttft_p99_ms")),
                     _fmt(r.get("cpu_us_per_req"), 0),
+                    _fmt(r.get("cpu_main_us_per_req"), 0),
                     _fmt(r.get("peak_rss_mib"), 0),
                     str(r.get("errors", 0)),
                 ]
@@ -923,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
             load_core = None if args.no_pin else args.load_core
             if args.warmup > 0:
                 for t in bench.targets:
-                    for size, conc in (("small", 16), ("large", 4), ("agentic", 4)):
+                    for size, conc in (("small", 16), ("large", 4), ("agentic", 4), ("turns", 4)):
                         if size in bodies.requests:
                             script, arg = bodies.wrk_args(size)
                             run_wrk(t.url, arg, conc, args.warmup, load_core, script)

@@ -98,6 +98,10 @@ class ModelConfig(_Strict):
     block_size: int = Field(128, gt=0)
     hash_seed: str | None = "0"
     """The engines' PYTHONHASHSEED (they run --prefix-caching-hash-algo sha256_cbor)."""
+    fast_bpe: bool = True
+    """Encode with tiktoken's byte-level BPE core when it reproduces this tokenizer (checked on
+    a probe at start-up and on a sample of live encodes against the tokenizer itself; the first
+    disagreement turns it off), else with ``tokenizers`` (gateway/service/fast_bpe.py)."""
 
 
 class AnalysisConfig(_Strict):

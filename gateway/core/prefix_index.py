@@ -15,7 +15,8 @@ recently stored are forgotten (an engine cannot hold more than its KV capacity a
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_left
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from gateway.core.types import Medium, PrefixMatch
@@ -41,6 +42,17 @@ class PrefixIndex:
         lru = self._lru.setdefault(engine, OrderedDict())
         if medium != Medium.GPU:
             self._tiered.add(engine)
+        elif engine not in self._tiered and hashes and hashes[0] in lru:
+            # A turn that extends a chain this engine holds (every routed turn of a session):
+            # the held part only moves to the recent end of the LRU, in C (an engine that never
+            # announced another medium holds all its blocks on the GPU, so no mask changes).
+            k = self._held(lru, hashes)
+            touch = lru.move_to_end
+            try:
+                deque(map(touch, hashes[:k]), maxlen=0)
+            except KeyError:  # a hole in the chain after all: do it block by block
+                k = 0
+            hashes = hashes[k:]
         for h in hashes:
             holders = self._holders.setdefault(h, {})
             holders[engine] = holders.get(engine, 0) | (1 << medium)
@@ -49,6 +61,12 @@ class PrefixIndex:
         while len(lru) > self.capacity_per_engine:
             old, _ = lru.popitem(last=False)
             self._drop(old, engine)
+
+    @staticmethod
+    def _held(lru: OrderedDict[int, None], hashes: Sequence[int]) -> int:
+        """Length of the prefix of ``hashes`` in ``lru`` if it is prefix closed (binary search;
+        the caller checks every block of it as it touches them)."""
+        return bisect_left(range(len(hashes)), True, key=lambda i: hashes[i] not in lru)
 
     def apply_removed(self, engine: str, hashes: Sequence[int], medium: Medium | None = None) -> None:
         """Forget blocks on ``engine``. With a medium, only the copy on that medium goes: a block

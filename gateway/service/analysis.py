@@ -160,7 +160,7 @@ class PromptAnalyzer:
         self.config = config
         self.metrics = metrics
         self.specs: list[Spec] = [
-            (m.name, m.tokenizer, m.block_size, m.hash_seed) for m in models if m.tokenizer
+            (m.name, m.tokenizer, m.block_size, m.hash_seed, m.fast_bpe) for m in models if m.tokenizer
         ]
         self.models = frozenset(s[0] for s in self.specs)
         self.block_sizes = {s[0]: s[2] for s in self.specs}
@@ -178,7 +178,8 @@ class PromptAnalyzer:
         # inline_chars, well under a millisecond of work) in mode process
         local_bytes = config.cache_bytes if mode != "process" else config.cache_bytes // 16
         self.tokenizers = {
-            name: ChatTokenizer(path, bs, seed, local_bytes) for name, path, bs, seed in self.specs
+            name: ChatTokenizer(path, bs, seed, local_bytes, fast_bpe=fast)
+            for name, path, bs, seed, fast in self.specs
         }
         if mode == "thread":
             self.lanes = {

@@ -59,7 +59,7 @@ __all__ = [
     "analyse",
 ]
 
-Spec = tuple[str, str, int, str | None]
+Spec = tuple[str, str, int, str | None, bool]
 """(model name, tokenizer dir, block size, hash seed)"""
 
 _LEN = struct.Struct("<I")
@@ -153,7 +153,10 @@ def _serve(sock: socket.socket, specs: Sequence[Spec], cache_bytes: int, nice: i
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice:
         os.nice(nice)
-    toks = {name: ChatTokenizer(path, bs, seed, cache_bytes) for name, path, bs, seed in specs}
+    toks = {
+        name: ChatTokenizer(path, bs, seed, cache_bytes, fast_bpe=fast)
+        for name, path, bs, seed, fast in specs
+    }
     attached: dict[str, shared_memory.SharedMemory] = {}
     f = sock.makefile("rb", buffering=_READ_CHUNK)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 import threading
 from array import array
@@ -42,6 +43,7 @@ from tokenizers import Tokenizer
 from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
 from gateway.errors import ApiError
 from gateway.service.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
+from gateway.service.fast_bpe import PROBE_TEXTS, FastBPE
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
 
@@ -50,6 +52,12 @@ PROMPT_CHUNK_CHARS = 4096
 """A completions prompt is keyed in chunks of this many characters."""
 TOKEN_CHUNK = 2048
 """A token-id prompt is keyed in chunks of this many tokens."""
+FAST_CHECK_FIRST = 8
+FAST_CHECK_EVERY = 128
+"""The first ``FAST_CHECK_FIRST`` fast encodes, then one in ``FAST_CHECK_EVERY``, are also
+encoded by the model's tokenizer and compared."""
+
+log = logging.getLogger(__name__)
 
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
 
@@ -151,6 +159,7 @@ class ChatTokenizer:
         block_size: int,
         hash_seed: str | None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        fast_bpe: bool = True,
     ) -> None:
         d = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -194,9 +203,60 @@ class ChatTokenizer:
         self.incremental = self._splits_at_special_tokens()
         """Whether text after a special token encodes independently of the text before it (true of
         byte-level BPE; checked on a probe at start-up, else every prompt is encoded whole)."""
+        self.fast: FastBPE | None = None
+        """The tiktoken-core encoder when it reproduces this tokenizer (gateway/service/fast_bpe.py)."""
+        self.fast_reason = "off in config"
+        """Why :attr:`fast` is None ('' when it is set)."""
+        self.fast_encodes = 0
+        self.fast_checks = 0
+        self.fast_mismatches = 0
+        if fast_bpe:
+            fast, self.fast_reason = FastBPE.from_tokenizer_json(d / "tokenizer.json")
+            if fast is not None:
+                mixed = "".join(f"{a}x {a}\n{b}" for a in self._special_texts() for b in PROBE_TEXTS[:2])
+                bad = fast.check(self.tokenizer, [template, mixed])
+                self.fast_reason = f"differs from the tokenizer on {bad!r}" if bad else ""
+                self.fast = None if bad else fast
+            if self.fast is None:
+                log.info("%s: encoding with tokenizers (fast BPE not used: %s)", d, self.fast_reason)
+
+    def _special_texts(self) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
+    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Token ids of ``text`` (no special tokens added) and (token index, char start, char
+        end) of each special token in it."""
+        fast = self.fast
+        if fast is not None:
+            ids, specials = fast.encode(text)
+            n = self.fast_encodes = self.fast_encodes + 1
+            if n > FAST_CHECK_FIRST and n % FAST_CHECK_EVERY:
+                return ids, specials
+            self.fast_checks += 1
+            ref = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if ref == ids:
+                return ids, specials
+            self.fast_mismatches += 1
+            self.fast, self.fast_reason = None, "disagreed with the tokenizer on a live prompt"
+            i = common_prefix_len(ids, ref)
+            log.warning(
+                "fast BPE disagrees with the tokenizer at token %d of %d (%r vs %r): using the tokenizer",
+                i,
+                len(ref),
+                ids[i : i + 4],
+                ref[i : i + 4],
+            )
+        # encode_batch releases the GIL while it runs (encode does not)
+        enc = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        ids = enc.ids
+        out = []
+        for i in self._special_positions(ids):
+            a, b = enc.token_to_chars(i) or (0, 0)
+            out.append((i, a, b))
+        return ids, out
 
     def _splits_at_special_tokens(self) -> bool:
-        added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        added = self._special_texts()
         if not added:
             return False
         probe_a, probe_b = "Hello, world.\n  x = 1 ", " déjà vu\n\nEnd"
@@ -289,15 +349,12 @@ class ChatTokenizer:
             base_char, base_tok = 0, len(prefix)
             starts, ends, toks = array("q"), array("q"), array("q")
             tokens = array("i", prefix)
-        # encode_batch releases the GIL while it runs (encode does not)
-        enc = self.tokenizer.encode_batch([text[base_char:]], add_special_tokens=False)[0]
-        ids = enc.ids
+        ids, specials = self._encode(text[base_char:])
         if not starts:
             starts.append(0)
             ends.append(0)
             toks.append(len(prefix))
-        for i in self._special_positions(ids):
-            a, b = enc.token_to_chars(i) or (0, 0)
+        for i, a, b in specials:
             starts.append(base_char + a)
             ends.append(base_char + b)
             toks.append(base_tok + i)

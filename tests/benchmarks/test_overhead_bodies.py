@@ -6,7 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
-from benchmarks.overhead import CHARS_PER_TOKEN, Bodies, agentic_bodies, small_body
+from benchmarks.overhead import CHARS_PER_TOKEN, PASS_MARK, Bodies, agentic_bodies, small_body
 
 
 def test_agentic_sessions_share_the_system_prompt_and_grow_turn_by_turn() -> None:
@@ -31,11 +31,28 @@ def test_bodies_write_one_file_per_single_body_and_an_index_for_a_mix(tmp_path: 
     mix = agentic_bodies(sessions=2, turns=2, first_tokens=1_000, last_tokens=2_000, system_tokens=500)
     b = Bodies(tmp_path, {"small": [(None, small_body())], "agentic": list(mix)})
     b.write()
-    script, arg = b.wrk_args("small")
-    assert script.name == "post.lua" and arg.read_bytes() == small_body()
-    script, arg = b.wrk_args("agentic")
-    assert script.name == "bodies.lua" and script.exists()
-    lines = [line.split() for line in arg.read_text().splitlines()]
+    script, args = b.wrk_args("small")
+    assert script.name == "post.lua" and Path(args[0]).read_bytes() == small_body()
+    script, args = b.wrk_args("agentic")
+    assert script.name == "bodies.lua" and script.exists() and len(args) == 1
+    lines = [line.split() for line in Path(args[0]).read_text().splitlines()]
     assert [sid for _, sid in lines] == [sid for sid, _ in mix]
     assert [Path(p).read_bytes() for p, _ in lines] == [body for _, body in mix]
     assert b.sizes_note()["agentic"].startswith("4 bodies")
+
+
+def test_turns_bodies_carry_one_pass_mark_and_each_wrk_run_gets_passes_of_its_own(tmp_path: Path) -> None:
+    mix = agentic_bodies(
+        sessions=2, turns=3, first_tokens=1_000, last_tokens=2_000, system_tokens=500, mark=PASS_MARK
+    )
+    for _, body in mix:
+        assert body.count(PASS_MARK.encode()) == 1
+        first_user = json.loads(body)["messages"][1]
+        assert first_user["role"] == "user" and first_user["content"].startswith(PASS_MARK)
+    b = Bodies(tmp_path, {"turns": list(mix)})
+    b.write()
+    script, first = b.wrk_args("turns")
+    _, second = b.wrk_args("turns")
+    assert script.name == "bodies.lua"
+    assert first[1] == second[1] == PASS_MARK
+    assert int(second[2]) - int(first[2]) >= 10_000  # no pass number is sent twice

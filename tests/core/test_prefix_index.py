@@ -107,3 +107,50 @@ def test_match_cost_is_logarithmic_in_context() -> None:
     index.holds = counting  # type: ignore[method-assign]
     assert index.match(chain + [-1])["e"].blocks == 100_000
     assert calls < 3 * 20
+
+
+def _reference_store(ix: PrefixIndex, engine: str, hashes: list[int], medium: Medium) -> None:
+    """apply_stored block by block, as it was before the held-prefix fast path."""
+    lru = ix._lru.setdefault(engine, __import__("collections").OrderedDict())
+    if medium != Medium.GPU:
+        ix._tiered.add(engine)
+    for h in hashes:
+        holders = ix._holders.setdefault(h, {})
+        holders[engine] = holders.get(engine, 0) | (1 << medium)
+        lru[h] = None
+        lru.move_to_end(h)
+    while len(lru) > ix.capacity_per_engine:
+        old, _ = lru.popitem(last=False)
+        ix._drop(old, engine)
+
+
+store_op = st.tuples(
+    st.sampled_from(ENGINES[:2]),
+    st.integers(0, 2),
+    st.integers(0, 39),
+    st.integers(1, 40),
+    st.sampled_from([Medium.GPU, Medium.GPU, Medium.GPU, Medium.CPU]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(store_op, max_size=30), st.integers(8, 200))
+def test_the_held_prefix_fast_path_leaves_what_block_by_block_storing_leaves(
+    ops: list,  # type: ignore[type-arg]
+    capacity: int,
+) -> None:
+    """Chains with holes (a removal or an eviction in the middle), gaps (a chain stored from a
+    later block) and other media: the same holders and the same LRU order, in the same order."""
+    fast, ref = PrefixIndex(capacity), PrefixIndex(capacity)
+    for engine, c, start, n, medium, remove in ops:
+        if remove:  # punch a hole: forget one block in the middle
+            h = CHAINS[c][(start + n) // 2 % 40]
+            fast.apply_removed(engine, [h])
+            ref.apply_removed(engine, [h])
+            continue
+        chain = CHAINS[c][start : start + n] if start % 3 else CHAINS[c][:n]
+        fast.apply_stored(engine, chain, medium)
+        _reference_store(ref, engine, chain, medium)
+        assert fast._holders == ref._holders
+        assert {e: list(o) for e, o in fast._lru.items()} == {e: list(o) for e, o in ref._lru.items()}

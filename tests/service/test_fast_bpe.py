@@ -1,0 +1,200 @@
+"""The tiktoken-core encoder (gateway/service/fast_bpe.py) against Hugging Face tokenizers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from gateway.local.tiny_model import CORPUS_DIR
+from gateway.service.fast_bpe import PROBE_TEXTS, FastBPE
+from gateway.service.tokenize import FAST_CHECK_EVERY, FAST_CHECK_FIRST, ChatTokenizer
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus() -> str:
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(CORPUS_DIR).glob("*")) if p.is_file())
+
+
+def _random_texts(n: int, seed: int = 7) -> list[str]:
+    """Corpus slices, random code points, whitespace runs and special tokens mixed."""
+    rng = random.Random(seed)
+    corpus = _corpus()
+    alphabet = (
+        " \t\n\r\u00a0\u3000'\"`~!@#$%^&*()_+-=[]{};:,./<>?\\|0123456789"
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ éèêëçàñöüßøå日本語中文한국어Ελληνικάрусскийעבריתالعربية🙂🚀"
+    )
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 8)):
+            r = rng.random()
+            if r < 0.45:
+                i = rng.randrange(len(corpus))
+                parts.append(corpus[i : i + rng.randint(1, 3000)])
+            elif r < 0.75:
+                parts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 200))))
+            elif r < 0.85:
+                parts.append(" " * rng.randint(1, 9) + "\n" * rng.randint(0, 4) + "\t" * rng.randint(0, 3))
+            elif r < 0.95:
+                parts.append(rng.choice(SPECIALS))
+            else:
+                parts.append("".join(chr(rng.randint(0x20, 0x2FFFF)) for _ in range(rng.randint(1, 30))))
+        out.append("".join(parts).encode("utf-8", "replace").decode("utf-8", "replace"))
+    return out
+
+
+def _agree_everywhere(path: Path, texts: list[str]) -> FastBPE:
+    fast, why = FastBPE.from_tokenizer_json(path)
+    assert fast is not None, why
+    hf = Tokenizer.from_file(str(path))
+    special_ids = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
+    for t in texts:
+        ids, specials = fast.encode(t)
+        ref = hf.encode(t, add_special_tokens=False)
+        assert ids == ref.ids, t[:120]
+        want = [(i, *ref.token_to_chars(i)) for i, tok in enumerate(ref.tokens) if tok in special_ids]
+        assert specials == want
+    return fast
+
+
+def test_the_tiny_models_tokenizer_encodes_identically(tiny_llama: Path) -> None:
+    fast = _agree_everywhere(tiny_llama / "tokenizer.json", [*PROBE_TEXTS, *_random_texts(300)])
+    assert fast.vocab_texts  # the start-up probe covers the vocabulary too
+    assert fast._rank_to_id is None  # trained ids follow the merge order: no mapping runs
+
+
+def _train(tmp_path: Path, pre: object, norm: object | None, name: str) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre  # type: ignore[assignment]
+    if norm is not None:
+        tok.normalizer = norm  # type: ignore[assignment]
+    tok.decoder = decoders.ByteLevel()  # type: ignore[assignment]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_corpus()], trainer)
+    out = tmp_path / f"{name}.json"
+    tok.save(str(out))
+    return out
+
+
+def test_a_llama3_style_split_and_nfc_tokenizer_encodes_identically(tmp_path: Path) -> None:
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    path = _train(tmp_path, pre, normalizers.NFC(), "llama3ish")
+    assert json.loads(path.read_text())["normalizer"]["type"] == "NFC"
+    _agree_everywhere(path, [*PROBE_TEXTS, *_random_texts(200, seed=11)])
+
+
+def test_ids_out_of_merge_order_are_mapped(tmp_path: Path, tiny_llama: Path) -> None:
+    d = json.loads((tiny_llama / "tokenizer.json").read_text())
+    vocab = d["model"]["vocab"]
+    n_special = len(d["added_tokens"])
+    ids = list(range(n_special, len(vocab)))
+    perm = ids[:]
+    random.Random(3).shuffle(perm)
+    remap = dict(zip(ids, perm, strict=True))
+    d["model"]["vocab"] = {t: remap.get(i, i) for t, i in vocab.items()}
+    path = tmp_path / "shuffled.json"
+    path.write_text(json.dumps(d))
+    fast = _agree_everywhere(path, [*PROBE_TEXTS, *_random_texts(100, seed=5)])
+    assert fast._rank_to_id is not None
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (lambda d: d.update(normalizer={"type": "Lowercase"}), "normalizer 'Lowercase'"),
+        (lambda d: d["pre_tokenizer"].update(add_prefix_space=True), "pre-tokenizer"),
+        (lambda d: d.update(pre_tokenizer={"type": "Whitespace"}), "pre-tokenizer"),
+        (lambda d: d["model"].update(byte_fallback=True), "byte_fallback"),
+        (lambda d: d["model"].update(dropout=0.1), "dropout"),
+        (lambda d: d["added_tokens"][1].update(lstrip=True), "strips"),
+        (lambda d: d["model"]["merges"].append(d["model"]["merges"][0]), "earlier merge"),
+    ],
+)
+def test_what_it_cannot_reproduce_it_refuses_with_a_reason(
+    tmp_path: Path, tiny_llama: Path, edit: object, why: str
+) -> None:
+    d = json.loads((tiny_llama / "tokenizer.json").read_text())
+    edit(d)  # type: ignore[operator]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(d))
+    fast, reason = FastBPE.from_tokenizer_json(path)
+    assert fast is None
+    assert why in reason
+
+
+def _write_abc(tmp_path: Path, d: dict) -> Path:
+    vocab = d["model"]["vocab"]
+    n = max(vocab.values()) + 1
+    for t in ("bc", "ab", "abc"):
+        vocab[t] = n
+        n += 1
+    d["model"]["merges"] = ["b c", "a b", "ab c"]
+    path = tmp_path / "abc.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+@pytest.fixture
+def abc_tokenizer(tmp_path: Path, tiny_llama: Path) -> Path:
+    """The tiny tokenizer cut down to its bytes and specials, plus the "abc" vocabulary."""
+    d = json.loads((tiny_llama / "tokenizer.json").read_text())
+    d["model"]["vocab"] = {t: i for t, i in d["model"]["vocab"].items() if i < 3 + 256}
+    assert len(d["model"]["vocab"]) == 3 + 256
+    return _write_abc(tmp_path, d)
+
+
+def test_the_startup_probe_finds_a_disagreeing_vocabulary(abc_tokenizer: Path) -> None:
+    hf = Tokenizer.from_file(str(abc_tokenizer))
+    assert hf.encode("abc", add_special_tokens=False).tokens == ["a", "bc"]
+    fast, why = FastBPE.from_tokenizer_json(abc_tokenizer)
+    assert fast is not None, why
+    assert fast.encode("abc")[0] != hf.encode("abc", add_special_tokens=False).ids
+    assert fast.agrees(hf, ["xyz", "abc"]) == "abc"
+    assert fast.check(hf) == "abc"  # the start-up check: probes and the whole vocabulary
+    assert fast.vocab_texts == []  # dropped once checked
+
+
+def test_a_live_disagreement_turns_the_fast_path_off(tiny_llama: Path, abc_tokenizer: Path) -> None:
+    tok = ChatTokenizer(tiny_llama, 128, "0")
+    ref = ChatTokenizer(tiny_llama, 128, "0", fast_bpe=False)
+    assert tok.fast is not None and tok.fast_reason == ""
+    assert ref.fast is None and ref.fast_reason == "off in config"
+    texts = _random_texts(FAST_CHECK_EVERY + 8, seed=9)
+
+    def body(t: str) -> dict:
+        return {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": t}]}
+
+    for t in texts[:FAST_CHECK_FIRST]:
+        assert tok.prompt_info("chat", body(t)).tokens == ref.prompt_info("chat", body(t)).tokens
+    assert tok.fast_checks == FAST_CHECK_FIRST and tok.fast_mismatches == 0
+    # now an encoder that drops each segment's last token: the next sampled check catches it
+    broken = tok.fast
+    assert broken is not None
+    real = broken._ordinary
+    broken._ordinary = lambda seg: real(seg)[:-1]  # type: ignore[method-assign]
+    for t in texts[FAST_CHECK_FIRST:]:
+        got = tok.prompt_info("chat", body(t)).tokens
+        if tok.fast is None:
+            break
+    assert tok.fast_mismatches == 1 and tok.fast is None
+    assert "disagreed" in tok.fast_reason
+    # the request that found it got the tokenizer's ids, and so does every one after it
+    assert got == ref.prompt_info("chat", body(t)).tokens
+    last = texts[-1] + " tail"
+    assert tok.prompt_info("chat", body(last)).tokens == ref.prompt_info("chat", body(last)).tokens
