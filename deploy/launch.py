@@ -17,7 +17,10 @@ Layout (environment, defaults in brackets):
   [= MODEL]. ``BLOCK_SIZE`` [128], ``MAX_MODEL_LEN`` [32768], ``KV_CACHE_GIB`` [1] (CPU engines),
   ``HOST_TIER_BYTES`` [256 MiB] (engine_ext's host tier), ``ENGINE_ARGS`` (extra vLLM arguments).
 - ``MOONCAKE_PORT`` [50051]: the master's RPC port; its HTTP metadata server and metrics are on
-  ``+1`` and ``+2``. ``REDIS_PORT`` [6379]. ``CONTROL_TOKEN``: bearer of the control API (required).
+  ``+1`` and ``+2``. ``MOONCAKE_CLIENT_TTL`` [30]: seconds the master keeps an engine without a
+  heartbeat before it drops the engine's segment and its objects (Mooncake's default of 10 was
+  too short on a loaded 2-core host; docs/engine_ext.md). ``REDIS_PORT`` [6379].
+  ``CONTROL_TOKEN``: bearer of the control API (required).
 - ``GATEWAY_PORT`` [8000]. Any ``AGENTGW_*`` variable overrides the gateway config it writes
   (``AGENTGW_ROUTING__PROFILE=cache_aware``; see docs/operations.md).
 
@@ -264,6 +267,7 @@ def run_mooncake(layout: Layout) -> None:
             f"--http_metadata_server_port={layout.mooncake_port + 1}",
             f"--metrics_host={HOST}",
             f"--metrics_port={layout.mooncake_port + 2}",
+            f"--client_ttl={_int('MOONCAKE_CLIENT_TTL', 30)}",
         ]
     )
 

@@ -162,7 +162,13 @@ def engine_metric(engine_url: str, name: str, labels: dict[str, str] | None = No
 def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
     """A real mooncake_master on loopback, shared by every test that needs the store tier."""
     try:
-        master = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
+        # client_ttl 60 s, not the master's 10: on this loaded 2-core machine a live engine's
+        # heartbeat was seen to arrive >10 s late, and the master then expired the client and
+        # dropped its segment with every object in it (the retention tests' load failures).
+        # Stopped engines unmount their segment (engine_command's --shutdown-timeout), so the
+        # longer TTL keeps no dead segment; only a killed client would, and no test kills one
+        # on this master.
+        master = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log", client_ttl_s=60)
     except FileNotFoundError as exc:
         pytest.fail(f"{exc} (./scripts/setup.sh installs it)")
     with master:

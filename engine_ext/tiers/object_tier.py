@@ -126,6 +126,7 @@ class TierCounters:
         self.unavailable_loads = 0
         self.unavailable_stores = 0
         self.lease_retries = 0
+        self.checksum_put_failures = 0  # store jobs whose checksum put failed: the data was not sent
         self.store_seconds = 0.0
         self.load_seconds = 0.0
 
@@ -350,6 +351,7 @@ class ObjectStoreTier(SecondaryTierManager):
         self._lookup.shutdown()
         self._pool.shutdown(wait=True)
         self.store.close()
+        logger.info("object tier: store closed")
 
     # ----- metrics --------------------------------------------------------------------
     @classmethod
@@ -471,7 +473,10 @@ class ObjectStoreTier(SecondaryTierManager):
         blobs = [row.numpy().tobytes() for row in packed]
         if self._verify:
             crcs = [zlib.crc32(b).to_bytes(4, "big") for b in blobs]
-            self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+            rc = self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+            if rc < 0:  # without its checksum a load would refuse the object: do not send it
+                self.counters.checksum_put_failures += 1
+                return [rc] * len(names)
         rc = self.store.batch_put_bytes(names, blobs)
         return [rc] * len(names)
 
@@ -479,7 +484,10 @@ class ObjectStoreTier(SecondaryTierManager):
         size = self.block_size_bytes
         if self._verify:
             crcs = [zlib.crc32(self._primary[c]).to_bytes(4, "big") for c in chunk_ids]
-            self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+            rc = self.store.batch_put_bytes([n + ".crc" for n in names], crcs)
+            if rc < 0:  # without its checksum a load would refuse the object: do not send it
+                self.counters.checksum_put_failures += 1
+                return [rc] * len(names)
         ptrs = [self._ptr(c) for c in chunk_ids]
         rcs = [0] * len(names)
         for upsert in (False, True):

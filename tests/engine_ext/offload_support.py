@@ -6,7 +6,8 @@ import contextlib
 import json
 import random
 import re
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,32 @@ def running_engines(specs: Sequence[EngineSpec], control_ports: Sequence[int]) -
     finally:
         for e in started:
             e.stop()
+
+
+def until(fn: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.2) -> Any:
+    """`fn()` once it is truthy, polled every `every_s`; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = fn()
+        if out:
+            return out
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(every_s)
+
+
+_TIER_LOG = re.compile(r"object tier|[EW]\d{4} \d\d:\d\d:\d\d")
+
+
+def tier_log(engine: Engine, limit: int = 30) -> str:
+    """The last `limit` lines of the engine's log written by the object tier or by Mooncake's
+    client at warning level or above: what a failed load assertion shows."""
+    try:
+        text = engine.local.spec.log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    lines = [line for line in text.splitlines() if _TIER_LOG.search(line)]
+    return "\n".join(lines[-limit:]) or "(no tier or Mooncake warnings)"
 
 
 def tier_stats(engine: Engine) -> dict[str, float]:

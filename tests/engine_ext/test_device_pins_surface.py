@@ -20,7 +20,13 @@ from vllm.v1.request import Request
 
 from engine_ext import config
 from engine_ext.scheduler import AsyncPinningScheduler, PinningScheduler
-from gateway.local.engines import ENGINE_EXT_ASYNC_SCHEDULER, ENGINE_EXT_SCHEDULER, EngineSpec, engine_command
+from gateway.local.engines import (
+    ENGINE_EXT_ASYNC_SCHEDULER,
+    ENGINE_EXT_SCHEDULER,
+    STOP_GRACE_S,
+    EngineSpec,
+    engine_command,
+)
 
 
 def _params(fn: object) -> list[str]:
@@ -97,6 +103,12 @@ def test_local_engines_load_the_pinning_scheduler_with_engine_ext() -> None:
     assert "--scheduler-cls" not in engine_command(EngineSpec(**base))  # type: ignore[arg-type]
     own = ("--kv-transfer-config", kv, "--scheduler-cls", "x.Y")
     assert engine_command(EngineSpec(**base, extra_args=own)).count("--scheduler-cls") == 1  # type: ignore[arg-type]
+    # a shutdown timeout (the teardown closes the Mooncake client), shorter than stop()'s grace
+    timeout = int(with_ext[with_ext.index("--shutdown-timeout") + 1])
+    assert 0 < timeout < STOP_GRACE_S
+    assert "--shutdown-timeout" not in engine_command(EngineSpec(**base))  # type: ignore[arg-type]
+    mine = ("--kv-transfer-config", kv, "--shutdown-timeout", "3")
+    assert engine_command(EngineSpec(**base, extra_args=mine)).count("--shutdown-timeout") == 1  # type: ignore[arg-type]
 
 
 def test_gpu_engines_load_the_async_pinning_scheduler_and_keep_cuda_graphs() -> None:

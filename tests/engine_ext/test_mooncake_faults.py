@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from tests.engine_ext.offload_support import (
     running_engines,
     tier_stats,
     tokens,
+    until,
 )
 
 pytestmark = pytest.mark.store
@@ -47,17 +48,6 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def until(fn: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = fn()
-        if out:
-            return out
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(every_s)
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ from tests.engine_ext.offload_support import (
     plugin_engine,
     plugin_kv,
     running_engines,
+    tier_log,
     tier_stats,
     tokens,
 )
@@ -157,7 +158,10 @@ def test_selective_keeps_only_repeated_prefixes_while_interval_keeps_every_delta
     assert itv["first_sighting: tier_stored"] == 2 * PREFIX_BLOCKS
     assert itv["retention_skipped_total"] == 0
     for name in POLICIES:
-        assert report[name]["tier_counters_at_end"]["load_failures"] == 0, name
+        assert report[name]["tier_counters_at_end"]["load_failures"] == 0, (
+            name,
+            tier_log(retention_engines[name]),
+        )
     # ... so the repeated prefix is loaded from Mooncake at its second visit, nothing stored again.
     assert itv["second_sighting: loaded_blocks"] == PREFIX_BLOCKS
     assert itv["second_sighting: tier_stored"] == 0
@@ -210,5 +214,5 @@ def test_both_engines_load_from_mooncake_at_the_same_moment(retention_engines: d
         }
     print(f"concurrent cross-engine loads: {json.dumps(report)}")
     for name, row in report.items():
-        assert row["load_failures"] == 0, (name, row)
-        assert row["loaded_blocks"] == PREFIX_BLOCKS, (name, row)
+        assert row["load_failures"] == 0, (name, row, tier_log(retention_engines[name]))
+        assert row["loaded_blocks"] == PREFIX_BLOCKS, (name, row, tier_log(retention_engines[name]))
