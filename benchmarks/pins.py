@@ -18,7 +18,6 @@ import argparse
 import json
 import random
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,16 +29,6 @@ from typing import Any
 BLOCK_TOKENS = 128
 BLOCK_BYTES = 65536  # tiny Llama: one 128-token block of KV
 _SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="([a-z_]+)"[^}]*\} ([0-9.e+]+)$')
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _complete(
@@ -98,13 +87,13 @@ def _next_turn(url: str, prefix: list[int], rng: random.Random) -> dict[str, flo
 
 def run(contexts: list[int], pairs: int, workdir: Path) -> list[dict[str, Any]]:
     from engine_ext import config
-    from gateway.local.engines import EngineSpec, LocalEngine
+    from gateway.local.engines import EngineSpec, LocalEngine, free_ports
     from gateway.local.tiny_model import VOCAB_SIZE, build_tiny_model
 
     top = max(contexts) // BLOCK_TOKENS
     device_blocks = 2 * pairs * top + 2 * top + 8  # room for the pins and one gap prompt
     host_blocks = top  # smaller than the gap traffic: it does not keep the unpinned prefix
-    port, control = _free_ports(2)
+    port, control = free_ports(2)
     kv = config.kv_transfer_config(host_blocks * BLOCK_BYTES)
     kv["kv_connector_extra_config"]["device_pin_fraction"] = 0.5  # >= the pairs' pinned blocks
     spec = EngineSpec(

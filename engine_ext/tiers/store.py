@@ -7,7 +7,13 @@ gets), negative is an error code.
 
 - `MooncakeObjectStore`: the real `MooncakeDistributedStore` over TCP. A call the master could
   not answer (RPC_FAIL, -900: the master is down or restarting) raises `StoreUnavailable`, so
-  `engine_ext.tiers.breaker.GuardedStore` can stop calling until it is back.
+  `engine_ext.tiers.breaker.GuardedStore` can stop calling until it is back. A transfer to a peer
+  that accepts the connection but does not answer (stopped, or its transfer thread starved) is
+  dropped after 30 s without progress by Mooncake's TCP transport, which retries it within the
+  batch deadline (`MC_TRANSFER_TIMEOUT`, 60 s by default). `stall_timeout_s` (off by default:
+  on a loaded machine, transfers that would have resumed were dropped at 5 s) sets the first;
+  the environment sets the second. While a store to such a peer was pending, the engine's next
+  requests waited with it (docs/engine_ext.md, "A stalled store").
 - `MemoryObjectStore`: an in-process dict, for unit tests and fault injection.
 
 `get_into_renewing_leases` re-reads the keys a batched get failed with a transient error:
@@ -23,6 +29,8 @@ stored) is returned as it is, and so is a transient one that outlasts the retrie
 from __future__ import annotations
 
 import ctypes
+import math
+import os
 import threading
 import time
 from typing import Protocol
@@ -36,6 +44,7 @@ __all__ = [
     "ObjectStore",
     "StoreUnavailable",
     "get_into_renewing_leases",
+    "stall_timeout_defaults",
 ]
 
 RPC_FAIL = -900
@@ -43,6 +52,11 @@ RPC_FAIL = -900
 
 #: Mooncake's error code for a get whose transfer finished after its read lease expired.
 LEASE_EXPIRED = -707
+
+#: Mooncake's TCP transport reads these when a client is set up: how long a transfer may make no
+#: progress, and how long it may wait for the peer's status frame, before it is dropped (30 s each).
+STALL_TIMEOUT_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+DEFAULT_STALL_TIMEOUT_S: float | None = None  # Mooncake's own 30 s
 
 RETRY_BACKOFF_S = 0.05
 """Pause before the second and later re-reads (x the attempt), on the tier's I/O thread."""
@@ -149,6 +163,15 @@ class MemoryObjectStore:
         return None
 
 
+def stall_timeout_defaults(stall_timeout_s: float) -> dict[str, str]:
+    """Set Mooncake's stall timeouts in this process's environment unless they are set; returns
+    what they are now. Whole seconds (Mooncake parses integers), at least 1."""
+    seconds = max(1, math.ceil(stall_timeout_s))
+    for name in STALL_TIMEOUT_ENV:
+        os.environ.setdefault(name, str(seconds))
+    return {name: os.environ[name] for name in STALL_TIMEOUT_ENV}
+
+
 class MooncakeObjectStore:
     """`MooncakeDistributedStore` behind `ObjectStore` (TCP transport, HTTP metadata)."""
 
@@ -160,7 +183,13 @@ class MooncakeObjectStore:
         global_segment_size: int = 64 << 20,
         local_buffer_size: int = 64 << 20,
         protocol: str = "tcp",
+        stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     ):
+        """`stall_timeout_s`: see the module docstring; None (the default) keeps Mooncake's own
+        timeouts. The environment wins: an operator's `MC_TCP_PROGRESS_TIMEOUT_SEC` etc. are left
+        as they are."""
+        if stall_timeout_s is not None:
+            stall_timeout_defaults(stall_timeout_s)
         from mooncake.store import MooncakeDistributedStore
 
         self._store = MooncakeDistributedStore()

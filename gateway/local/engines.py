@@ -18,9 +18,10 @@ vLLM never evicts that store; engine_ext bounds it (least recently used out, at 
 `AGENTGW_RESPONSES_STORE_MAX_BYTES` in the environment (or an engine's `extra_env`) to change it.
 
 Each engine is the leader of its own process group (`start_new_session=True`): `stop()` sends
-SIGTERM to the group, then SIGKILL after a grace period, so vLLM's EngineCore and worker
-processes go too. Ports are not reserved between `free_port()` and the engine's bind; callers
-that start several engines take distinct ports from one `free_ports(n)` call.
+SIGTERM to the API server (which stops its EngineCore), then SIGKILL to the group after a grace
+period, so vLLM's EngineCore and worker processes go too. Ports are not reserved between `free_port()` and the engine's bind; callers
+that start several engines take distinct ports from one `free_ports(n)` call, and the ports come
+from below the ephemeral range (`DEFAULT_PORT_RANGE`), where no bind(0) can take them meanwhile.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ HASH_SEED = "0"  # PYTHONHASHSEED of every engine: the seed of vLLM's block-hash
 KV_EVENTS_TOPIC = "kv-events"
 HOST = "127.0.0.1"
 DEFAULT_CACHE_ROOT = Path(os.environ.get("AGENTGW_VLLM_CACHE_ROOT", "/tmp/agentgw-vllm-cache"))
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 20.0
 _POLL_S = 0.25
 _LOG_TAIL_BYTES = 4000
+_FIRST_ERROR_BYTES = 6000  # of the log from its first traceback: an EngineCore's root cause
+_LOG_SCAN_BYTES = 4 << 20  # how much of a log's end `failure_log` searches for that traceback
 
 
 class EngineError(RuntimeError):
@@ -141,17 +144,27 @@ def engine_command(spec: EngineSpec) -> list[str]:
     if spec.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     cmd += list(spec.extra_args)
-    if "--scheduler-cls" not in cmd and _loads_engine_ext(cmd):
+    ext = _loads_engine_ext(cmd)
+    if "--scheduler-cls" not in cmd and ext:
         # device soft pins (docs/engine_ext.md); on GPUs the variant that keeps async scheduling
         cmd += [
             "--scheduler-cls",
             ENGINE_EXT_ASYNC_SCHEDULER if spec.platform != "cpu" else ENGINE_EXT_SCHEDULER,
         ]
+    if "--shutdown-timeout" not in cmd and ext:
+        # vLLM's default (0) kills the EngineCore as soon as it is told to stop, before its
+        # teardown closes the KV connector: a Mooncake client killed that way never unmounts
+        # its segment, and the master keeps placing objects in the dead segment (their puts
+        # fail) until its client_ttl. A few seconds let the teardown run and unmount.
+        cmd += ["--shutdown-timeout", str(ENGINE_EXT_SHUTDOWN_TIMEOUT_S)]
     return cmd
 
 
 ENGINE_EXT_SCHEDULER = "engine_ext.scheduler.PinningScheduler"
 ENGINE_EXT_ASYNC_SCHEDULER = "engine_ext.scheduler.AsyncPinningScheduler"
+ENGINE_EXT_SHUTDOWN_TIMEOUT_S = 10
+"""`--shutdown-timeout` of an engine that loads engine_ext (below STOP_GRACE_S, so `stop` sees
+the teardown finish)."""
 ENGINE_PLATFORMS = ("cpu", "cuda")
 
 
@@ -270,21 +283,28 @@ class LocalEngine:
             if code is not None:
                 raise EngineError(
                     f"engine {self.spec.name} exited with code {code} before it was ready; "
-                    f"log {self.spec.log_path}:\n{self.log_tail()}"
+                    f"log {self.spec.log_path}:\n{self.failure_log()}"
                 )
             if self._answers("/health") and self._answers("/v1/models"):
                 return
             time.sleep(_POLL_S)
         raise EngineError(
             f"engine {self.spec.name} was not ready after {timeout_s:.0f} s; "
-            f"log {self.spec.log_path}:\n{self.log_tail()}"
+            f"log {self.spec.log_path}:\n{self.failure_log()}"
         )
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the process group, SIGKILL it after `grace_s`, and reap the leader."""
+        """SIGTERM the API server, SIGKILL the process group after `grace_s`, and reap the leader.
+
+        Only the leader is signalled: it stops its EngineCore itself (one SIGTERM, then up to the
+        engine's `--shutdown-timeout` for the teardown). A SIGTERM sent to the whole group reaches
+        the EngineCore twice, and vLLM restores the default handler before its teardown, so the
+        second one killed it before its KV connector closed (a Mooncake client then never
+        unmounted its segment)."""
         if self._proc is None:
             return
-        self._signal_group(signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         try:
             self._proc.wait(timeout=grace_s)
@@ -313,6 +333,26 @@ class LocalEngine:
         if self.engine_id is not None:
             with contextlib.suppress(FileNotFoundError):
                 (SHM_DIR / f"vllm_offload_{self.engine_id}.mmap").unlink()
+
+    def failure_log(self) -> str:
+        """The log from its first traceback (bounded) and then its tail.
+
+        An engine whose EngineCore fails prints the root cause first and then the API server's
+        own traceback ("Engine core initialization failed. See root cause above"), which alone
+        fills the tail."""
+        try:
+            with open(self.spec.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                size = log.tell()
+                log.seek(max(0, size - _LOG_SCAN_BYTES))
+                text = log.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        first = text.find("Traceback (most recent call last)")
+        tail_from = max(0, len(text) - _LOG_TAIL_BYTES)
+        if first < 0 or first + _FIRST_ERROR_BYTES >= tail_from:
+            return text[min(first, tail_from) if first >= 0 else tail_from :]
+        return f"{text[first : first + _FIRST_ERROR_BYTES]}\n[...]\n{text[tail_from:]}"
 
     def log_tail(self, num_bytes: int = _LOG_TAIL_BYTES) -> str:
         try:
@@ -403,28 +443,50 @@ def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list
     return engines
 
 
+# Where `free_ports` looks when no range is given: below Linux's ephemeral range (32768-60999 by
+# default) and away from Mooncake's own picks (15xxx, 16xxx) and the fixed ranges of tests and
+# benchmarks (20000-21000, 22000-23700, 24000-31000). A port handed out is released until its
+# engine binds it, often a minute later; a port in the ephemeral range can meanwhile go to any
+# bind(0), such as one of the ~15 ports that each vLLM worker binds at startup: an EngineCore
+# then fails to bind its KV-events or control port ("Engine core initialization failed").
+DEFAULT_PORT_RANGE = range(18000, 20000)
+_RECENT_PORTS_MAX = 1024  # handed-out ports this process does not hand out again (bounded)
+_recent_ports: dict[int, None] = {}
+_recent_lock = threading.Lock()
+
+
 def free_port(port_range: range | None = None) -> int:
-    """A TCP port on 127.0.0.1 that is free right now (from `port_range` if given)."""
+    """A TCP port on 127.0.0.1 that is free right now (from `port_range`, else `DEFAULT_PORT_RANGE`)."""
     return free_ports(1, port_range)[0]
 
 
 def free_ports(count: int, port_range: range | None = None) -> list[int]:
-    """`count` distinct ports that are free right now, from `port_range` if given (else the OS picks).
+    """`count` distinct ports that are free right now, from `port_range` (else `DEFAULT_PORT_RANGE`).
 
-    All sockets stay bound until every port is chosen, so the ports differ from one another.
+    All sockets stay bound until every port is chosen, so the ports differ from one another; a
+    port this process handed out lately (and its engine may not have bound yet) is skipped while
+    the range has others.
     """
+    pool = DEFAULT_PORT_RANGE if port_range is None else port_range
+    with _recent_lock:
+        recent = set(_recent_ports)
+    shuffled = _shuffled(pool)
+    fresh = [p for p in shuffled if p not in recent]
     with contextlib.ExitStack() as stack:
         ports: list[int] = []
-        candidates = iter(_shuffled(port_range)) if port_range is not None else None
+        candidates = iter(fresh + [p for p in shuffled if p in recent])
         while len(ports) < count:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            if candidates is None:
-                sock.bind((HOST, 0))
-            else:
-                if not _bind_first_free(sock, candidates):
-                    raise EngineError(f"no {count} free ports in {port_range}")
+            if not _bind_first_free(sock, candidates):
+                raise EngineError(f"no {count} free ports in {pool}")
             ports.append(sock.getsockname()[1])
-        return ports
+    with _recent_lock:
+        for port in ports:
+            _recent_ports.pop(port, None)
+            _recent_ports[port] = None
+        while len(_recent_ports) > _RECENT_PORTS_MAX:
+            del _recent_ports[next(iter(_recent_ports))]
+    return ports
 
 
 def _shuffled(port_range: range) -> list[int]:

@@ -37,7 +37,12 @@ def _terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> N
 
 
 class MooncakeMaster:
-    def __init__(self, log_path: Path | None = None, lease_ttl_ms: int = 2000) -> None:
+    def __init__(
+        self, log_path: Path | None = None, lease_ttl_ms: int = 2000, client_ttl_s: int = 10
+    ) -> None:
+        """``lease_ttl_ms``: the read lease a get holds on an object; ``client_ttl_s``: how long the
+        master keeps a client without a heartbeat before it expires it and unmounts its segment
+        (the objects in it are gone); Mooncake's default is 10."""
         # the store extra installs it next to this interpreter (a venv that need not be activated)
         here = Path(sys.executable).parent / "mooncake_master"
         binary = str(here) if here.exists() else shutil.which("mooncake_master")
@@ -54,6 +59,7 @@ class MooncakeMaster:
             "--metrics_host=127.0.0.1",
             f"--metrics_port={self.metrics_port}",
             f"--default_kv_lease_ttl={lease_ttl_ms}",
+            f"--client_ttl={client_ttl_s}",
         ]
         self._log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
@@ -67,8 +73,15 @@ class MooncakeMaster:
         return f"http://127.0.0.1:{self.metadata_port}/metadata"
 
     #: Environment a Mooncake client (an engine with the Mooncake tier) needs on loopback.
+    #: MC_TRANSFER_TIMEOUT: a batch's deadline (Mooncake's default 60 s). 20 s here, where the
+    #: tiny models' batches are small: a store to a peer that never answers then fails before a
+    #: gateway's 30 s first-byte timeout on the requests that wait for it (engine_ext.tiers.store).
     client_env: ClassVar[Mapping[str, str]] = MappingProxyType(
-        {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_STORE_CLIENT_SETUP_RETRIES": "3"}
+        {
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            "MC_STORE_CLIENT_SETUP_RETRIES": "3",
+            "MC_TRANSFER_TIMEOUT": "20",
+        }
     )
 
     def start(self, timeout_s: float = 30.0) -> MooncakeMaster:

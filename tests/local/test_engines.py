@@ -20,6 +20,7 @@ from gateway.local.engines import (
     LocalEngine,
     engine_command,
     engine_env,
+    free_port,
     free_ports,
     start_engines,
 )
@@ -127,6 +128,25 @@ def test_free_ports_are_distinct_and_in_range() -> None:
     assert all(p in PORTS for p in ports)
 
 
+def test_free_ports_default_to_a_range_below_the_ephemeral_one() -> None:
+    # A released port in the ephemeral range can go to any bind(0) before its engine binds it.
+    low, _high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert engines.DEFAULT_PORT_RANGE.stop <= low
+    ports = free_ports(8)
+    assert all(p in engines.DEFAULT_PORT_RANGE for p in ports)
+    assert free_port() in engines.DEFAULT_PORT_RANGE
+
+
+def test_free_ports_do_not_hand_out_a_recent_port_again() -> None:
+    # Each call releases its ports; only the memory of what it handed out keeps the next call off them.
+    small = range(20900, 20910)
+    first = free_ports(5, small)
+    second = free_ports(5, small)
+    assert not set(first) & set(second)
+    # When the range has nothing else, a recent port is reused rather than failing.
+    assert len(set(free_ports(3, small))) == 3
+
+
 # --- lifecycle, with stand-in processes ---------------------------------------------------------
 
 # A leader that starts a child, both ignoring SIGTERM, like an engine that hangs on shutdown.
@@ -136,6 +156,35 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, "-c",
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"])
 print("child", child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+# vLLM's shape: the API server stops its EngineCore with a SIGTERM of its own and waits; the
+# EngineCore tears down after the first SIGTERM, and a second one during the teardown kills it.
+FORWARDING_CHILD = """
+import signal, sys, time
+def term(*_):
+    if getattr(term, "seen", False):
+        print("second sigterm", flush=True)
+        return
+    term.seen = True
+    time.sleep(1.0)
+    print("teardown done", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("child ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+FORWARDING = f"""
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {FORWARDING_CHILD!r}])
+def forward(*_):
+    child.terminate()
+    child.wait(30)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, forward)
 time.sleep(300)
 """
 
@@ -155,6 +204,30 @@ def test_wait_ready_reports_an_engine_that_dies_with_its_log_tail(
     engine.stop()
 
 
+def test_wait_ready_reports_the_first_traceback_that_a_long_tail_would_hide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As vLLM does when its EngineCore fails: the root cause, then the API server's long traceback.
+    code = (
+        "import sys\n"
+        "print('Traceback (most recent call last):')\n"
+        "print('OSError: [Errno 98] Address already in use (the root cause)')\n"
+        "for i in range(400): print(f'  File api_server.py, line {i}, in run_server')\n"
+        "print('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+        "sys.exit(1)\n"
+    )
+    stand_in(monkeypatch, code)
+    engine = LocalEngine(spec(tmp_path))
+    engine.start()
+    with pytest.raises(EngineError) as failure:
+        engine.wait_ready(timeout_s=30)
+    engine.stop()
+    message = str(failure.value)
+    assert "Address already in use (the root cause)" in message
+    assert "Engine core initialization failed" in message
+    assert "Address already in use" not in engine.log_tail()  # the old message's tail alone
+
+
 def test_wait_ready_times_out_with_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stand_in(monkeypatch, "import time; print('loading', flush=True); time.sleep(300)")
     engine = LocalEngine(spec(tmp_path))
@@ -167,15 +240,22 @@ def test_wait_ready_times_out_with_a_clear_error(tmp_path: Path, monkeypatch: py
     assert not engine.running
 
 
-def test_stop_kills_a_group_that_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    stand_in(monkeypatch, STUBBORN)
-    s = spec(tmp_path)
+def started_stand_in(s: EngineSpec, ready: str) -> LocalEngine:
+    """A started stand-in engine once its log shows `ready`."""
     engine = LocalEngine(s)
     engine.start()
     assert engine.pid is not None
     deadline = time.monotonic() + 30
-    while "child" not in s.log_path.read_text() and time.monotonic() < deadline:
+    while ready not in s.log_path.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
+    return engine
+
+
+def test_stop_kills_a_group_that_ignores_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in(monkeypatch, STUBBORN)
+    s = spec(tmp_path)
+    engine = started_stand_in(s, "child")
+    assert engine.pid is not None
     child = int(s.log_path.read_text().split()[1])
     assert group_pids(engine.pid) == {engine.pid, child}
 
@@ -183,6 +263,20 @@ def test_stop_kills_a_group_that_ignores_sigterm(tmp_path: Path, monkeypatch: py
     engine.stop(grace_s=0.5)
     assert time.monotonic() - started < 5
     assert not alive(engine.pid) and not alive(child)
+    assert group_pids(engine.pid) == set()
+
+
+def test_stop_lets_the_leader_stop_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the leader gets SIGTERM: its child sees one SIGTERM (the leader's) and finishes its
+    teardown; a SIGTERM to the whole group reached it twice (the Mooncake segment that never
+    unmounted, docs/engine_ext.md)."""
+    stand_in(monkeypatch, FORWARDING)
+    s = spec(tmp_path)
+    engine = started_stand_in(s, "child ready")
+    assert engine.pid is not None
+    engine.stop()
+    log = s.log_path.read_text()
+    assert "teardown done" in log and "second sigterm" not in log, log
     assert group_pids(engine.pid) == set()
 
 
