@@ -27,6 +27,20 @@ from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
+# Environment variables that every engine this process starts inherits and that change how it
+# behaves: a test that sets one must leave it as it found it. Mooncake's stall timeouts, set once
+# to 3 s by a test, dropped the live transfers of every later engine in a CI run.
+_INHERITED_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT")
+
+
+@pytest.fixture(autouse=True)
+def _env_left_as_found() -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in _INHERITED_ENV}
+    yield
+    after = {k: os.environ.get(k) for k in _INHERITED_ENV}
+    assert after == before, f"the test changed the environment its engines inherit: {before} -> {after}"
+
+
 MODEL = "tiny-llama"
 
 

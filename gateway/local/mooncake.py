@@ -38,11 +38,12 @@ def _terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> N
 
 class MooncakeMaster:
     def __init__(
-        self, log_path: Path | None = None, lease_ttl_ms: int = 2000, client_ttl_s: int = 10
+        self, log_path: Path | None = None, lease_ttl_ms: int = 2000, client_ttl_s: int = 30
     ) -> None:
         """``lease_ttl_ms``: the read lease a get holds on an object; ``client_ttl_s``: how long the
         master keeps a client without a heartbeat before it expires it and unmounts its segment
-        (the objects in it are gone); Mooncake's default is 10."""
+        (the objects in it are gone). Mooncake's default is 10; 30 here, as in deploy/launch.py:
+        on a loaded 2-core machine a live client's heartbeat arrived more than 10 s late."""
         # the store extra installs it next to this interpreter (a venv that need not be activated)
         here = Path(sys.executable).parent / "mooncake_master"
         binary = str(here) if here.exists() else shutil.which("mooncake_master")

@@ -120,8 +120,12 @@ def _put(master: MooncakeMaster, stall_timeout_s: float, **env: str) -> tuple[di
 def test_the_stall_timeouts_are_defaults_that_the_environment_overrides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # setenv first, so that monkeypatch records the names and removes what stall_timeout_defaults
+    # sets (a delenv of a missing name records nothing: the 3 s it set once leaked into every later
+    # engine of the pytest process, whose live transfers were then dropped at 3 s)
     for name in STALL_TIMEOUT_ENV:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     assert stall_timeout_defaults(2.5) == dict.fromkeys(STALL_TIMEOUT_ENV, "3")  # whole seconds, up
     monkeypatch.setenv(STALL_TIMEOUT_ENV[0], "40")
     monkeypatch.delenv(STALL_TIMEOUT_ENV[1])

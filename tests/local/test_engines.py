@@ -3,7 +3,9 @@ processes, fast), and one real vLLM engine on the tiny Llama (slow, marked `engi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import sys
 import time
 import urllib.request
@@ -137,9 +139,26 @@ def test_free_ports_default_to_a_range_below_the_ephemeral_one() -> None:
     assert free_port() in engines.DEFAULT_PORT_RANGE
 
 
+def _free_window(size: int) -> range:
+    """`size` consecutive ports that all bind right now, outside every range the tests and engines
+    use (a fixed window such as 20900-20909 lies in the fixed test range 20000-21000, and a CI run
+    found one of its ports taken, which made the reuse below look like a repeat)."""
+    for start in range(21000, 22000 - size, size):
+        window = range(start, start + size)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in window:
+                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return window
+    raise AssertionError("no free window of ports in 21000-22000")
+
+
 def test_free_ports_do_not_hand_out_a_recent_port_again() -> None:
     # Each call releases its ports; only the memory of what it handed out keeps the next call off them.
-    small = range(20900, 20910)
+    small = _free_window(10)
     first = free_ports(5, small)
     second = free_ports(5, small)
     assert not set(first) & set(second)

@@ -39,7 +39,9 @@ def rehome_cluster(
 ) -> Iterator[dict[str, tuple[LocalEngine, str]]]:
     logs = tmp_path_factory.mktemp("rehome")
     with (
-        MooncakeMaster(logs / "master.log") as master,
+        # client_ttl 60 s as in tests/conftest.py: a late heartbeat must not expire the store node,
+        # whose segment every put here goes to
+        MooncakeMaster(logs / "master.log", client_ttl_s=60) as master,
         MooncakeStoreNode(master, 256 << 20, logs / "store-node.log"),
     ):
         control_ports = free_ports(len(NAMES))
