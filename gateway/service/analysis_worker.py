@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 Spec = tuple[str, str, int, str | None, bool]
-"""(model name, tokenizer dir, block size, hash seed)"""
+"""(model name, tokenizer dir, block size, hash seed, fast BPE on)"""
 
 _LEN = struct.Struct("<I")
 _READ_CHUNK = 1 << 18
