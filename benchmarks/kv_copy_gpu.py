@@ -12,6 +12,8 @@ large and a small transfer (``--ids``), it times
 each with Triton and with the torch reference, next to the ``cudaMemcpy`` peak (a contiguous
 ``Tensor.copy_`` of the same number of bytes, D2D / D2H / H2D) measured in the same run. Every
 Triton result is checked against the reference first; any mismatch makes the exit status 1.
+Before timing, the rest of the CUDA paths are checked once: ``kernels``' dispatcher on CUDA and
+pinned tensors, and FP8 packing on the GPU against the CPU's, byte for byte.
 
 Bandwidth counts payload bytes once (bytes of the blocks moved), for the kernels and for memcpy.
 A time budget (``--budget-s``, default 100 s) skips what is left, so the run ends within 2 min.
@@ -289,6 +291,51 @@ def run_cuda(bench: Bench, quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def cuda_dispatch_and_fp8_parity(bench: Bench) -> None:
+    """The rest of the CUDA paths, checked once: ``kernels``' dispatcher on CUDA and pinned tensors
+    (``auto`` must pick the Triton kernels and match the reference, the engine worker's path), and
+    FP8 packing on the GPU against the same packing on the CPU (byte for byte, both directions)."""
+    import kernels
+    from kernels import kv_copy
+
+    cuda, cpu = bench.device, torch.device("cpu")
+    gen = torch.Generator().manual_seed(2)
+    for geo in QUICK_CPU_GEOMETRIES:
+        bd, n = geo.block_dim, geo.id_counts[0]
+        caches = make_caches(geo, geo.num_blocks, cuda)
+        host = make_caches(geo, n + 4, cpu, pin=True)
+        ids = torch.randperm(geo.num_blocks, generator=gen)[:n].to(cuda)
+        host_ids = torch.randperm(n + 4, generator=gen)[:n].to(cuda)
+        bench.check(f"{geo.name} dispatch picks triton", kernels._backend([*caches, *host]) is kv_copy)
+        want = _gather_ref(caches, ids, bd, cpu)
+        kernels.copy_blocks(caches, host, ids, host_ids, block_dim=bd)
+        torch.cuda.synchronize()
+        bench.check(
+            f"{geo.name} dispatch copy_d2h", torch.equal(_gather_ref(host, host_ids.cpu(), bd, cpu), want)
+        )
+        staged = kernels.gather_blocks(
+            caches, ids, _rows(n, reference.block_nbytes(caches, bd), cpu), block_dim=bd
+        )
+        torch.cuda.synchronize()
+        bench.check(f"{geo.name} dispatch gather_d2h", torch.equal(staged, want))
+    for dtype in (torch.bfloat16, torch.float16):
+        for group in (128, 32):
+            values = (torch.randn(1 << 20, generator=gen) * 3).to(dtype)
+            values[:group] = 0  # an all-zero group
+            nbytes = kernels.fp8_nbytes(values.numel(), group)
+            on_cpu = kernels.quantize_fp8(values, torch.empty(nbytes, dtype=torch.uint8), group=group)
+            on_gpu = kernels.quantize_fp8(
+                values.to(cuda), torch.empty(nbytes, dtype=torch.uint8, device=cuda), group=group
+            )
+            bench.check(f"fp8 quantize {dtype} g{group} cuda == cpu", torch.equal(on_gpu.cpu(), on_cpu))
+            back_cpu = kernels.dequantize_fp8(on_cpu, torch.empty_like(values), group=group)
+            back_gpu = kernels.dequantize_fp8(
+                on_cpu.to(cuda), torch.empty_like(values, device=cuda), group=group
+            )
+            bench.check(f"fp8 dequantize {dtype} g{group} cuda == cpu", torch.equal(back_gpu.cpu(), back_cpu))
+    print("dispatcher (cuda + pinned) and fp8 (cuda vs cpu): checked", flush=True)
+
+
 def run_cpu(bench: Bench, quick: bool) -> None:
     cpu = bench.device
     gen = torch.Generator().manual_seed(0)
@@ -397,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if use_cuda:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+        cuda_dispatch_and_fp8_parity(bench)
         run_cuda(bench, args.quick)
     else:
         print(

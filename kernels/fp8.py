@@ -6,7 +6,9 @@ into groups of ``group`` consecutive values; each group gets one float32 scale
 ``e4m3(clamp(x / scale, -448, 448))`` (round to nearest even, torch's conversion). Packed
 format, one contiguous byte run: ``[num_values fp8 bytes][num_values / group float32 scales]``,
 so 16-bit KV shrinks to ``(1 + 4 / group) / 2`` of its bytes (0.516 with ``group = 128``).
-Dequantization is ``fp8 * scale`` rounded back to the cache dtype. Non-finite inputs are not
+Dequantization is ``fp8 * scale`` rounded back to the cache dtype. Every step is an IEEE
+correctly rounded float32 operation (the scale and the quotient are true divisions), so a GPU
+packs the same bytes as the CPU (checked on an H200 by ``benchmarks/kv_copy_gpu.py``). Non-finite inputs are not
 supported (KV values are finite).
 
 Implementation: torch operations, which run on CPU and, unchanged, as CUDA kernels on a GPU.
@@ -47,7 +49,9 @@ def quantize_fp8(values: torch.Tensor, out: torch.Tensor, *, group: int = 128) -
     payload, scales = _split(out, values.numel(), group)
     x = values.reshape(-1, group).float()
     amax = x.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor, not the Python float: CUDA divides by a scalar as a multiply by its
+    # reciprocal (1 ulp off for some amax), and the bytes must not depend on the device.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     payload.view(-1, group).copy_(x.div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX))
     scales.copy_(scale)
     return out

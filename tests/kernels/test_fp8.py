@@ -53,3 +53,17 @@ def test_zero_group_is_zero_and_bad_arguments_are_refused() -> None:
         kernels.quantize_fp8(x.float(), packed)
     with pytest.raises(ValueError, match="contiguous bytes"):
         kernels.quantize_fp8(x, packed[:-1])
+
+
+def test_scales_and_payload_are_correctly_rounded_float32_divisions() -> None:
+    """The packing the H200 reproduces byte for byte: each scale is amax / 448 rounded once to
+    float32 (a true division, not a multiply by a rounded reciprocal), and each payload byte is
+    e4m3 of the correctly rounded quotient (float64 division rounded to float32 is exact here)."""
+    x = _values(64 * 128, torch.bfloat16, seed=7)
+    packed = kernels.quantize_fp8(x, torch.empty(kernels.fp8_nbytes(x.numel(), 128), dtype=torch.uint8))
+    amax = x.double().view(-1, 128).abs().amax(1)
+    want_scales = (amax / FP8_MAX).float()
+    assert torch.equal(packed[x.numel() :].view(torch.float32), want_scales)
+    quotient = (x.double().view(-1, 128) / want_scales.double()[:, None]).float()
+    want_payload = quotient.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)
+    assert torch.equal(packed[: x.numel()], want_payload)
