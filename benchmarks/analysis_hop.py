@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _hit(n: int, tokenizer_dir: str) -> None:
     """In a subprocess whose PYTHONPATH picks the checkout: median CPU ms of a cache hit."""
     from benchmarks.overhead import large_body
-    from gateway.service.tokenize import ChatTokenizer
+    from gateway.analysis.tokenize import ChatTokenizer
 
     body = orjson.loads(large_body())
     tok = ChatTokenizer(tokenizer_dir, 128, None)
@@ -73,8 +73,8 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import large_body
+    from gateway.analysis.analyzer import PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
-    from gateway.service.analysis import PromptAnalyzer
 
     raw = large_body()
     body = orjson.loads(raw)
@@ -103,8 +103,8 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import agentic_bodies
+    from gateway.analysis.analyzer import PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
-    from gateway.service.analysis import PromptAnalyzer
 
     raws = [raw for _, raw in agentic_bodies(sessions, 43)]
     bodies = [orjson.loads(r) for r in raws]

@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 
 import orjson
 
+from gateway.analysis.analyzer import AnalysisSkipped, PromptAnalyzer
 from gateway.config import GatewayConfig
 from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
 from gateway.protocol import ParsedRequest
-from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
 

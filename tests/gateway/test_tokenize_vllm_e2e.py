@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.analysis.analyzer import PromptAnalyzer
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.core.block_hash import hash_tokens
 from gateway.local.engines import HASH_SEED, LocalEngine, start_engines
-from gateway.service.analysis import PromptAnalyzer
-from gateway.service.tokenize import ChatTokenizer
 from tests.conftest import MODEL, engine_specs
 from tests.gateway.test_routing_e2e import collect_events, drain, stored_hashes
 

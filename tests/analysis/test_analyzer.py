@@ -12,11 +12,11 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.analysis.analyzer import AnalysisSkipped, PromptAnalyzer
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.errors import ApiError
-from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.tokenize import ChatTokenizer
 
 SYSTEM = "You are a careful agent. " * 200
 
@@ -152,7 +152,7 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
     carries their place), one slot per request the backlog admits; a larger body goes through
     the socket (in several writes: more than its buffer); every answer equals the tokenizer's
     and every slot comes back."""
-    from gateway.service import analysis_worker as analysis
+    from gateway.analysis import worker as analysis
 
     cfg = AnalysisConfig(mode="process", thread_chars=0, workers=1, small_workers=1, budget_ms=600_000)
     an = PromptAnalyzer(models(tiny_llama), cfg)
@@ -305,7 +305,7 @@ async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> Non
 
 
 def test_an_arena_with_no_free_slot_sends_through_the_socket() -> None:
-    from gateway.service.analysis_worker import ARENA_MIN_BYTES, Arena
+    from gateway.analysis.worker import ARENA_MIN_BYTES, Arena
 
     arena = Arena(2)
     raw = b"x" * ARENA_MIN_BYTES

@@ -10,11 +10,11 @@ request never waits behind a 200K-token first turn. Each lane runs on its own wo
 
 - ``process`` (the default): worker processes (``spawn``), each reached through its own socket
   pair that the event loop reads directly, with no thread in the gateway
-  (:class:`~gateway.service.analysis_worker.AnalysisWorker`), one :class:`ChatTokenizer` per
+  (:class:`~gateway.analysis.worker.AnalysisWorker`), one :class:`ChatTokenizer` per
   model in each. Large-lane workers run at a lower CPU priority (``nice``), so the event loop
   and the small lane preempt them. A request
   goes to the worker picked by the content key of its first message
-  (:func:`~gateway.service.tokenize.affinity_key`), so the content-keyed cache of that worker
+  (:func:`~gateway.analysis.tokenize.affinity_key`), so the content-keyed cache of that worker
   holds the conversation's earlier turns and every session sharing its system prompt; when that
   worker's backlog is full, the least-loaded one. The worker gets the request's raw JSON bytes
   (parsed there, ``cache_salt`` set from the gateway's copy of the body: a tenant's salt replaces
@@ -48,11 +48,11 @@ from typing import Any
 
 import orjson
 
+from gateway.analysis.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
+from gateway.analysis.worker import AnalysisWorker, Spec, WorkerDied, analyse
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.errors import ApiError
-from gateway.service.analysis_worker import AnalysisWorker, Spec, WorkerDied, analyse
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
 
 __all__ = ["AnalysisSkipped", "PromptAnalyzer", "prompt_chars"]
 
