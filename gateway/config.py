@@ -84,8 +84,13 @@ class LimitsConfig(_Strict):
     """Body limit of the session API (``/v1/agent/sessions/...``)."""
     max_buffered_body_bytes: int = Field(1024 * 1024 * 1024, gt=0)
     """Request-body bytes held at once, all requests together (a generation request's until its
-    response ends, the other routes' while they are read); a body that would go past it gets a
-    503 ``overloaded`` with ``Retry-After`` (gateway/api/body_budget.py)."""
+    response ends, the other routes' while they are read), counted as they arrive (never on the
+    declared ``Content-Length``); a body that would go past it gets a 503 ``overloaded`` with
+    ``Retry-After`` (gateway/api/body_budget.py)."""
+    max_buffered_body_bytes_per_tenant: int = Field(256 * 1024 * 1024, gt=0)
+    """The part of ``limits.max_buffered_body_bytes`` one tenant may hold (one client address when
+    no API keys are configured), so one tenant's bodies always leave room for the others'; past it
+    a 429 ``tenant_body_budget`` with ``Retry-After``. At most ``max_buffered_body_bytes``."""
 
 
 class ModelConfig(_Strict):
