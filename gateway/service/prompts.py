@@ -150,7 +150,10 @@ class Prompts:
         if info is not None:
             n_tokens, hashes, block_size = info.num_tokens, info.hashes, info.block_size
         else:
-            hashes = approx_hashes(prompt_text(parsed), self.config.routing.approx_chunk_chars)
+            # in the tenant's namespace like the exact hashes (salted through cache_salt):
+            # a match on another tenant's text would tell the caller what that tenant sent
+            chunk = self.config.routing.approx_chunk_chars
+            hashes = approx_hashes(prompt_text(parsed), chunk, tenant.cache_salt)
             n_tokens = parsed.text_chars // 4
             block_size = max(1, self.config.routing.approx_chunk_chars // 4)
         exact = info is not None
