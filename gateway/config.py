@@ -101,11 +101,11 @@ class ModelConfig(_Strict):
     fast_bpe: bool = True
     """Encode with tiktoken's byte-level BPE core when it reproduces this tokenizer (checked on
     a probe at start-up and on a sample of live encodes against the tokenizer itself; the first
-    disagreement turns it off), else with ``tokenizers`` (gateway/service/fast_bpe.py)."""
+    disagreement turns it off), else with ``tokenizers`` (gateway/analysis/fast_bpe.py)."""
 
 
 class AnalysisConfig(_Strict):
-    """Prompt analysis (render, tokenize, hash) off the event loop (gateway/service/analysis.py)."""
+    """Prompt analysis (render, tokenize, hash) off the event loop (gateway/analysis/analyzer.py)."""
 
     mode: Literal["process", "thread", "inline"] = "process"
     """process: worker processes; thread: threads; inline: on the event loop (comparisons only)."""

@@ -62,11 +62,15 @@ def index_for(exact: bool, kv_events: bool) -> IndexKind:
     return IndexKind.PRECISE if exact and kv_events else IndexKind.APPROX
 
 
-def approx_hashes(text: str, chunk_chars: int) -> list[int]:
+def approx_hashes(text: str, chunk_chars: int, salt: str | None = None) -> list[int]:
     """A hash chain over fixed-size chunks of the prompt text (a partial last chunk is not
     hashed): ``d_i = BLAKE2b-64(d_{i-1} + utf8(chunk_i))``, ``d_{-1} = b""``, each hash
     ``d_i`` read big-endian. Stable across processes and replicas (not Python's per-process
     ``hash``), so records shared through Redis mean the same thing on every replica.
+
+    ``salt`` (a tenant's prefix-cache salt) starts the chain at ``d_{-1} = BLAKE2b-64(salt)``,
+    as vLLM's ``cache_salt`` enters its first block hash: the same text under two salts shares
+    no hash, so one tenant's matches never reveal what another sent.
 
     One pass: an ASCII text (characters = bytes) is encoded once and hashed through memoryview
     slices; the digests are read as integers in one ``struct`` call at the end."""
@@ -76,7 +80,7 @@ def approx_hashes(text: str, chunk_chars: int) -> list[int]:
     b2 = hashlib.blake2b
     digests: list[bytes] = []
     push = digests.append
-    prev = b""
+    prev = b"" if salt is None else b2(b"agentgw-approx-salt\0" + salt.encode(), digest_size=8).digest()
     if text.isascii():
         data = memoryview(text.encode("ascii"))
         for i in range(0, n, chunk_chars):
