@@ -73,7 +73,7 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import large_body
-    from gateway.analysis.analyzer import PromptAnalyzer
+    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raw = large_body()
@@ -85,10 +85,10 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
         try:
             await an.wait_ready()
             for _ in range(5):  # the first fills the worker's cache
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for _ in range(n):
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -103,7 +103,7 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import agentic_bodies
-    from gateway.analysis.analyzer import PromptAnalyzer
+    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raws = [raw for _, raw in agentic_bodies(sessions, 43)]
@@ -116,7 +116,7 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
             await an.wait_ready()
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for raw, body in zip(raws, bodies, strict=True):
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()

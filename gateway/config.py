@@ -154,6 +154,14 @@ class RoutingConfig(_Strict):
     the turn; past it the turn stays home past the knee. 0: any move."""
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
+    cold_home_no_affinity: bool = RoutingParams().cold_home_no_affinity
+    """A session whose home holds less than half the prompt the best engine holds is re-scored
+    without the home's ``session_affinity`` bonus (``rehome_cold``)."""
+    new_session_load: bool = RoutingParams().new_session_load
+    """A new session that the scores send to an engine for a prefix it holds (a shared system
+    prompt) goes to the engine with the lowest estimated time to first token (uncached tokens
+    x ``prefill_s_per_token`` + queue x ``queue_s_per_request``) when that is lower
+    (``new_session_load``): sessions spread instead of piling onto that engine."""
     split: Literal["cost", "wall"] = "cost"
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
     sides with the engine cost model below (gateway/core/policies/split.py) and the load the

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import orjson
 
-from gateway.analysis.analyzer import AnalysisSkipped, PromptAnalyzer
+from gateway.analysis import Analysis, AnalysisRequest, AnalysisSkipped, PromptAnalyzer
 from gateway.config import GatewayConfig
 from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
@@ -136,7 +136,7 @@ class Prompts:
         remembering the session's tokens. A prompt that cannot be analysed exactly in time (or
         at all: it depends on state held by the engine) is hashed approximately, and counted."""
         hints, warning = self.hints(parsed, headers, tenant)
-        info = None
+        info: Analysis | None = None
         if not parsed.exact:
             if self.exact_for(parsed.model):
                 self.metrics.count_analysis_skipped("engine_state")
@@ -144,14 +144,11 @@ class Prompts:
             body, raw = (parsed.body, parsed.raw) if parsed.prompt is None else (parsed.prompt, None)
             sid = None if dry_run or not self.keeps_tokens else hints.session_id
             try:
-                info = await self.analyzer.analyze(
-                    parsed.model, parsed.kind, body, sid, raw=raw, tokens=sid is not None
-                )
+                info = await self.analyzer.analyze(AnalysisRequest(parsed.model, parsed.kind, body, raw, sid))
             except AnalysisSkipped:
                 info = None  # counted by the analyzer
         if info is not None:
-            n_tokens, hashes = info.num_tokens, info.hashes
-            block_size = self.analyzer.block_sizes[parsed.model]
+            n_tokens, hashes, block_size = info.num_tokens, info.hashes, info.block_size
         else:
             # in the tenant's namespace like the exact hashes (salted through cache_salt):
             # a match on another tenant's text would tell the caller what that tenant sent

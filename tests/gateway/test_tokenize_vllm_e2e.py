@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.analysis.analyzer import PromptAnalyzer
+from gateway.analysis import AnalysisRequest, PromptAnalyzer
 from gateway.analysis.tokenize import ChatTokenizer
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.core.block_hash import hash_tokens
@@ -137,11 +137,11 @@ async def test_analyzer_workers_and_kv_event_hashes_equal_vllms(
     try:
         await an.wait_ready()
         for body in bodies()[:4]:
-            info = await an.analyze(MODEL, "chat", body)
+            info = await an.analyze(AnalysisRequest(MODEL, "chat", body, tokens=True))
             assert info is not None
             assert list(info.tokens) == vllm_ids(engine, body)
         body = bodies()[3]
-        info = await an.analyze(MODEL, "chat", body)
+        info = await an.analyze(AnalysisRequest(MODEL, "chat", body, tokens=True))
         assert info is not None and len(info.hashes) >= 3
     finally:
         await an.aclose()
