@@ -10,6 +10,7 @@ uncached tokens) from the send, decoding from the first body chunk, over when th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
+from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
@@ -156,7 +158,7 @@ class Forwarder:
         if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
             body = {**body, "priority": hints.priority}
             changed = True
-        return orjson.dumps(body) if changed else raw
+        return _dumps(body) if changed else raw
 
     async def open(
         self,
@@ -260,6 +262,24 @@ class Forwarder:
             ) from None
         finally:
             self.cluster.end(engine)
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """The re-serialized body. orjson writes at most 255 levels of nesting but parses 1,024: a
+    deeper body that passed the parse (and had to change) is written by the standard library,
+    or refused in the API's shape when even that cannot (never a 500)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", None, "invalid_json") from None
+    except (TypeError, ValueError) as exc:
+        raise ApiError(
+            400, f"the request body cannot be forwarded as JSON: {exc}", None, "invalid_json"
+        ) from None
 
 
 LAG_RETRIES = 3

@@ -175,9 +175,11 @@ class GatewayService:
     ) -> Plan:
         a = await self.analyze(parsed, headers, tenant=tenant)
         d = self.placement.decide(a)
-        await self.placement.place(a, d)
         salted = tenant.cache_salt is not None
+        # the body before the placement is written: a body that cannot be forwarded is a 400
+        # that leaves no session state behind
         body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d), changed=salted)
+        await self.placement.place(a, d)
         warning = a.prompt.warning
         extra = [(b"x-agentgw-warning", warning.encode("latin-1", "replace"))] if warning else []
         return Plan(d, body, self.forwarder.headers(headers), a, extra, tenant)
