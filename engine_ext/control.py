@@ -250,6 +250,8 @@ class ControlServer:
         self.max_body_bytes = max_body_bytes
         self.connections = 0
         """Sockets open now (read on the loop thread)."""
+        self.peak_connections = 0
+        """The most sockets served at once (never past ``max_connections``)."""
         self.inflight = 0
         self.refused: dict[int, int] = {}
         """Answers that closed the connection, by status (a counter for tests and operators)."""
@@ -311,6 +313,7 @@ class ControlServer:
         try:
             if self.connections > self.max_connections:
                 raise _Refuse(503, "too many open control connections", "overloaded")
+            self.peak_connections = max(self.peak_connections, self.connections)
             first = True
             while await self._request(reader, writer, first):
                 first = False

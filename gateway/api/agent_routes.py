@@ -17,6 +17,7 @@ gateway/service/tenants.py); an admin key addresses stored ids directly. Bodies 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -94,6 +95,8 @@ async def post_hints(session_id: str, request: Request) -> JSONResponse:
         hints = parse_hints({}, {"agent_hints": body})
     except HintError as exc:
         raise ApiError(400, str(exc), exc.field.removeprefix("agent_hints."), "invalid_hint") from None
+    if hints.parent_session_id is not None:  # the tenant's own ids only, like a turn's hints
+        hints = replace(hints, parent_session_id=tenant.namespace(hints.parent_session_id))
     if hints.session_end:
         rec = await svc.end_session(sid)
         return JSONResponse(

@@ -45,7 +45,8 @@ class Analysis:
     owner: str | None = None
     """The one engine that can serve the turn (it holds the stored response it continues)."""
     owner_of: str | None = None
-    """That stored response's id."""
+    """That stored response's id, as the client named it (for its error messages: the stored,
+    namespaced id is the gateway's own)."""
 
     @property
     def hints(self) -> AgentHints:
@@ -88,8 +89,12 @@ class Placement:
         return self.indexes[IndexKind.PRECISE]
 
     # -- reading -------------------------------------------------------------------------------
-    async def analyze(self, prompt: PromptRead, continues: str | None = None) -> Analysis:
-        """``continues``: the id of a stored response the turn continues (its engine only)."""
+    async def analyze(
+        self, prompt: PromptRead, continues: str | None = None, shown: str | None = None
+    ) -> Analysis:
+        """``continues``: the (stored) id of a stored response the turn continues (its engine
+        only); ``shown``: that id as the client named it, for error messages."""
+        shown = shown if shown is not None else continues
         turn = prompt.turn
         h = turn.hints
         now = self.clock()
@@ -111,9 +116,9 @@ class Placement:
         )
         owner = await self.owners.owner(continues) if continues is not None else None
         if continues is not None and owner is None:
-            raise ResponseNotFound(continues, "previous_response_id")
+            raise ResponseNotFound(shown or "", "previous_response_id")
         live = rec if rec is not None and not rec.ended else None
-        return Analysis(prompt, req, snap, live, parent, owner, continues)
+        return Analysis(prompt, req, snap, live, parent, owner, shown)
 
     def _views(self, now: float) -> tuple[EngineView, ...]:
         """The engines as the router sees them, with the live sessions' context homed on each."""

@@ -410,3 +410,85 @@ def test_header_bytes_are_limited_when_the_whole_head_arrives_at_once(gw: Served
     fine = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 500) for i in range(30))  # 15 KB
     got, _, _ = exchange(gw, b"GET /health HTTP/1.1\r\nHost: x\r\n" + fine + b"\r\n")
     assert got == 200
+
+
+# -- stored responses and sessions: each tenant's own ---------------------------------------------
+RESP = "sk-response-4"
+
+
+@pytest.fixture(scope="module")
+def quota_gw(engine_url: str) -> Iterator[ServedGateway]:
+    cfg = config(engine_url, sessions={"capacity": 30})
+    cfg["auth"]["tenants"] = [
+        {"name": "acme", "key_sha256": [key_digest(ACME)], "max_sessions": 10},
+        {"name": "beta", "key_sha256": [key_digest(BETA)], "max_sessions": 10},
+        {"name": "response", "key_sha256": [key_digest(RESP)], "max_sessions": 10},
+    ]
+    with ServedGateway(cfg) as g:
+        wait_ready(g.url)
+        yield g
+
+
+def respond(g: ServedGateway, key: str, **kw: Any) -> httpx.Response:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **kw}
+    return httpx.post(g.url + "/v1/responses", json=body, headers=hdr(key), timeout=30)
+
+
+def test_one_tenants_stored_responses_never_evict_anothers(quota_gw: ServedGateway) -> None:
+    """Response-owner records sat outside every tenant's quota: acme's stored responses evicted
+    beta's, whose ``previous_response_id`` then got a 400."""
+    r = respond(quota_gw, BETA)
+    assert r.status_code == 200, r.text
+    beta_id = r.json()["id"]
+    for _ in range(40):
+        assert respond(quota_gw, ACME).status_code == 200
+    r = respond(quota_gw, BETA, previous_response_id=beta_id)
+    assert r.status_code == 200, r.text
+
+
+def test_a_tenant_named_response_cannot_reach_other_tenants_response_routing(quota_gw: ServedGateway) -> None:
+    """Owner records were keyed ``response:<tenant>:<id>``: the session ``<tenant>:<id>`` of a
+    tenant named ``response`` was the same key, so it could read and delete them."""
+    r = respond(quota_gw, ACME)
+    acme_id = r.json()["id"]
+    with httpx.Client(base_url=quota_gw.url, headers=hdr(RESP), timeout=30) as c:
+        assert c.get(f"/v1/agent/sessions/acme:{acme_id}").status_code == 404
+        assert c.delete(f"/v1/agent/sessions/acme:{acme_id}").status_code == 404
+    assert respond(quota_gw, ACME, previous_response_id=acme_id).status_code == 200
+    # the dashboard lists sessions, not the stored responses' engines
+    state = httpx.get(quota_gw.url + "/dashboard/state", headers=hdr(ADMIN), timeout=30).json()
+    assert not any(acme_id in str(s) for s in state["sessions"]["items"]), state["sessions"]
+
+
+def test_errors_name_the_callers_ids_not_the_gateways(quota_gw: ServedGateway) -> None:
+    r = respond(quota_gw, BETA, previous_response_id="resp_nothere")
+    assert r.status_code in (400, 404), r.text
+    assert "'resp_nothere'" in r.text and "beta:" not in r.text
+
+
+def test_the_session_api_namespaces_a_parent_hint(quota_gw: ServedGateway) -> None:
+    """``parent_session_id`` from the session API was stored as sent: a tenant could name another
+    tenant's session (its stored id) as its parent."""
+    with httpx.Client(base_url=quota_gw.url, timeout=30) as c:
+        r = c.post(
+            "/v1/agent/sessions/kid/hints", json={"parent_session_id": "beta:theirs"}, headers=hdr(ACME)
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["parent_session_id"] == "beta:theirs"  # acme's own id of that name
+        stored = c.get("/v1/agent/sessions/acme:kid", headers=hdr(ADMIN)).json()
+        assert stored["parent_session_id"] == "acme:beta:theirs"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/v1/responses/resp_1"),
+        ("GET", "/v1/responses/resp_1/input_items"),
+        ("GET", "/v1/responses/b@d"),
+    ],
+)
+def test_response_routes_authenticate_first(quota_gw: ServedGateway, method: str, path: str) -> None:
+    r = httpx.request(method, quota_gw.url + path, timeout=30)
+    assert r.status_code == 401, r.text
+    r = httpx.request(method, quota_gw.url + path, headers=hdr(ACME), timeout=30)
+    assert r.status_code in (400, 501), r.text
