@@ -179,7 +179,8 @@ class GatewayService:
         salted = tenant.cache_salt is not None
         # the body before the placement is written: a body that cannot be forwarded is a 400
         # that leaves no session state behind
-        body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d), changed=salted)
+        pin = self._pin(a, d)
+        body = self.forwarder.body(parsed.body, raw, a.hints, pin, changed=salted, salt=tenant.cache_salt)
         await self.placement.place(a, d)
         warning = a.prompt.warning
         extra = [(b"x-agentgw-warning", warning.encode("latin-1", "replace"))] if warning else []

@@ -113,7 +113,10 @@ class Prompts:
         hdrs = {}
         for k, v in headers:
             if k in _HINT_HEADER_BYTES:
-                hdrs[k.decode("latin-1")] = v.decode("latin-1")
+                try:  # UTF-8 as clients send it (an id "café" is printable); else byte for byte
+                    hdrs[k.decode("latin-1")] = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    hdrs[k.decode("latin-1")] = v.decode("latin-1")
         try:
             return parse_hints(hdrs, parsed.body), None
         except HintError as exc:

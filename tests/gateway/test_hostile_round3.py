@@ -6,8 +6,10 @@ engine."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -492,3 +494,122 @@ def test_response_routes_authenticate_first(quota_gw: ServedGateway, method: str
     assert r.status_code == 401, r.text
     r = httpx.request(method, quota_gw.url + path, headers=hdr(ACME), timeout=30)
     assert r.status_code in (400, 501), r.text
+
+
+# -- what reaches an engine ------------------------------------------------------------------------
+class Recorder:
+    """A stand-in engine on a loopback socket that records what each generation request carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def _send(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(b'{"object": "list", "data": []}' if self.path == "/v1/models" else b"")
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+                recorder.seen.append(({k.lower(): v for k, v in self.headers.items()}, orjson.loads(raw)))
+                self._send(
+                    orjson.dumps(
+                        {"id": "chatcmpl-1", "object": "chat.completion", "model": MODEL, "choices": []}
+                    )
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_engine_steering_fields_and_foreign_headers_never_reach_an_engine(keys: bool) -> None:
+    """A client's own ``priority``, ``cache_salt``, ``kv_transfer_params`` (``remote_host``,
+    ``do_remote_prefill``: steering the engine's KV connector), ``vllm_xargs.kv_transfer_params``
+    and ``ec_transfer_params`` reached the engines, and so did hop-by-hop and credential headers
+    (``Connection``-nominated ones, ``Proxy-Authorization``, ``Cookie``)."""
+    rec = Recorder()
+    try:
+        cfg = config(rec.url)
+        if not keys:
+            del cfg["auth"]
+        with ServedGateway(cfg) as g:
+            wait_ready(g.url)
+            body = chat(
+                "hi",
+                priority=-100,
+                cache_salt="someone-elses",
+                kv_transfer_params={"remote_host": "10.0.0.9", "do_remote_prefill": True, "agentgw": {}},
+                ec_transfer_params={"x": 1},
+                vllm_xargs={"kv_transfer_params": {"remote_host": "10.0.0.9"}, "keep": 1},
+            )
+            headers = {
+                "connection": "keep-alive, x-secret-hop",
+                "x-secret-hop": "1",
+                "proxy-authorization": "Basic c2VjcmV0",
+                "cookie": "session=secret",
+                "x-data-parallel-rank": "3",
+                "x-request-id": "req-42",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                **(hdr(ACME) if keys else {}),
+            }
+            r = httpx.post(g.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        rec.close()
+    ((sent_headers, sent),) = rec.seen
+    assert "priority" not in sent and "ec_transfer_params" not in sent and "kv_transfer_params" not in sent
+    assert sent["vllm_xargs"] == {"keep": 1}
+    if keys:
+        assert sent["cache_salt"] == g.service.tenants.tenants["acme"].cache_salt
+    else:
+        assert "cache_salt" not in sent
+    for name in ("x-secret-hop", "proxy-authorization", "cookie", "authorization", "x-data-parallel-rank"):
+        assert name not in sent_headers, name
+    assert sent_headers["x-request-id"] == "req-42" and sent_headers["traceparent"].startswith("00-")
+
+
+def test_utf8_hint_headers_are_read_as_utf8(gw: ServedGateway) -> None:
+    """A UTF-8 session id in a hint header was read byte by byte (latin-1) and refused as
+    "not printable"."""
+    sid = "sessión-ü"
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=chat("hi"),
+        headers=[(b"authorization", f"Bearer {ACME}".encode()), (b"x-session-id", sid.encode())],
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert dict(r.headers.raw)[b"x-agentgw-session"].decode() == sid
+
+
+def test_no_unauthenticated_api_docs_and_the_dashboard_sends_security_headers(gw: ServedGateway) -> None:
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for path in ("/docs", "/redoc", "/openapi.json"):  # served without a key before
+            assert c.get(path).status_code == 404, path
+        for path, key in (
+            ("/dashboard", None),
+            ("/dashboard/static/dashboard.js", None),
+            ("/dashboard/state", ADMIN),
+        ):
+            r = c.get(path, headers=hdr(key) if key else {})
+            assert r.status_code == 200, path
+            csp = r.headers["content-security-policy"]
+            assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+            assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
