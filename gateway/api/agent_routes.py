@@ -44,12 +44,13 @@ def _svc(request: Request) -> GatewayService:
 
 
 def _stored_id(request: Request, session_id: str) -> tuple[Tenant, str]:
-    """The caller's tenant and the id its ``session_id`` is stored under (400 for a bad id)."""
+    """The caller's tenant (401 first) and the id its ``session_id`` is stored under (400 for a
+    bad id)."""
+    tenant = tenant_of(request)
     if not session_id or len(session_id) > MAX_ID_LEN or not session_id.isprintable():
         raise ApiError(
             400, f"session_id must be 1-{MAX_ID_LEN} printable characters", "session_id", "invalid_session_id"
         )
-    tenant = tenant_of(request)
     return tenant, tenant.namespace(session_id)
 
 

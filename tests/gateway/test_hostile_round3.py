@@ -487,6 +487,7 @@ def test_the_session_api_namespaces_a_parent_hint(quota_gw: ServedGateway) -> No
         ("DELETE", "/v1/responses/resp_1"),
         ("GET", "/v1/responses/resp_1/input_items"),
         ("GET", "/v1/responses/b@d"),
+        ("GET", "/v1/agent/sessions/" + "s" * 300),
     ],
 )
 def test_response_routes_authenticate_first(quota_gw: ServedGateway, method: str, path: str) -> None:
