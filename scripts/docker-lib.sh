@@ -9,7 +9,7 @@
 # Start dockerd in the background when no daemon answers (log $STATE/dockerd.log).
 ensure_dockerd() {
   docker info >/dev/null 2>&1 && return 0
-  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh installs docker.io)" >&2; return 1; }
+  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh --test installs docker.io)" >&2; return 1; }
   log "starting dockerd"
   setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done

@@ -6,7 +6,7 @@ nothing lives in module globals.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx
@@ -80,7 +80,15 @@ def allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods - {"HEAD"}))
 
 
-def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
+def create_app(
+    config: GatewayConfig,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    engine_notes: Mapping[str, str] | None = None,
+) -> GatewayApp:
+    """``engine_notes``: per engine name, a note ``/ready`` adds while it waits for that engine
+    (``agentgw serve``'s local engines: where each one's log is)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         upstream = make_upstream(config, transport)
@@ -124,6 +132,7 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
 
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.state.holder = ServiceHolder()
+    api.state.engine_notes = dict(engine_notes or {})
     api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)
     api.state.bodies = BodyBudget(config.limits.max_buffered_body_bytes, config.limits.retry_after_s)
     api.include_router(admin_routes.router)

@@ -52,6 +52,7 @@ def cluster(state: dict[str, bool]) -> Cluster:
 async def test_eject_after_failures_and_readmit_after_successes(
     cluster: Cluster, state: dict[str, bool]
 ) -> None:
+    await cluster.probe_once()  # both up: admitted
     state["a"] = False
     await cluster.probe_once()
     assert cluster.engines["a"].healthy  # one failure is not enough
@@ -149,3 +150,26 @@ async def test_passive_connect_failure_marks_the_engine_refused() -> None:
     cluster.record_connect_failure("b")
     assert cluster.panicking() == {"p": True}
     assert not any(v.healthy for v in cluster.views())  # nothing listens: no panic routing to them
+
+
+async def test_an_engine_that_never_answered_is_starting_and_out_of_routing(
+    cluster: Cluster, state: dict[str, bool]
+) -> None:
+    """A gateway started before its engines: the first refused probe takes an engine out (no
+    second probe needed, nothing to eject), ``waiting`` says why, and its first answer admits it
+    (``readmit_after_successes`` is 2 here: that is for an engine that was up and failed)."""
+    state["a"] = state["b"] = False
+    await cluster.probe_once()
+    assert cluster.ready() == {"p": False}
+    assert cluster.waiting() == {"a": "starting", "b": "starting"}
+    assert cluster.starting() == ["a", "b"]
+    assert not any(v.healthy for v in cluster.views())  # refused: out even though the pool panics
+    state["a"] = True
+    await cluster.probe_once()
+    assert cluster.ready() == {"p": True} and cluster.waiting() == {"b": "starting"}
+    assert [v.name for v in cluster.views() if v.healthy] == ["a"] and cluster.starting() == ["b"]
+    state["a"] = False  # up once, then down: the usual ejection after eject_after_failures
+    await cluster.probe_once()
+    assert cluster.engines["a"].healthy
+    await cluster.probe_once()
+    assert cluster.waiting() == {"a": "refusing connections", "b": "starting"}

@@ -79,6 +79,7 @@ def test_health_ready_metrics(gateway: ServedGateway) -> None:
         "pools": {"first_turn": True, "warm": True},
         "degraded": False,
         "draining": False,
+        "waiting_for": {},
     }
     text = httpx.get(gateway.url + "/metrics").text
     for name in (
