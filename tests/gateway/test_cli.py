@@ -138,3 +138,26 @@ def test_missing_key_environment_variable_fails_at_start(tmp_path: Path) -> None
     )
     assert r.returncode == 2
     assert "'auth.tenants.0.key_env': environment variable AGENTGW_TEST_UNSET_KEY is not set" in r.stderr
+
+
+def test_an_engine_that_fails_to_start_stops_the_gateway_with_its_log(tmp_path: Path) -> None:
+    """A model folder vLLM cannot load (a complete build whose config.json is then broken: its
+    marker still says complete): the gateway, already listening, says which engine failed and
+    where its log is, and exits 1."""
+    from gateway.local.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "home" / "models" / "tiny-llama")
+    (model / "config.json").write_text("{not json")
+    port = free_ports(1)[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--first-turn", "0", "--warm", "1", "--port", str(port)],
+        env={**os.environ, "AGENTGW_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    log = tmp_path / "home" / "logs" / "engine0.log"
+    assert f"gateway on http://127.0.0.1:{port}" in r.stderr
+    assert "an engine failed to start: engine engine0 exited with code" in r.stderr, r.stderr[-3000:]
+    assert f"log {log}" in r.stderr and "ready in" not in r.stderr
