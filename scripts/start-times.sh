@@ -40,7 +40,7 @@ links=${AGENTGW_FIND_LINKS-$("$PY" -m pip config get global.find-links 2>/dev/nu
 mounts=()
 if [ -n "$links" ] && [ -d "$links" ]; then mounts=(-v "$links:$links:ro" -e "PIP_FIND_LINKS=$links"); fi
 log "cold and warm runs of ./scripts/run.sh in a fresh $BASE_IMAGE container (port $port; pip find-links: ${links:-none})"
-docker run --rm --network host -e PORT="$port" "${mounts[@]}" -v "$src/agentgw:/src:ro" "$BASE_IMAGE" bash -c '
+docker run --rm --network host --shm-size 4g -e PORT="$port" "${mounts[@]}" -v "$src/agentgw:/src:ro" "$BASE_IMAGE" bash -c '
 set -u
 cp -a /src /root/agentgw && cd /root/agentgw
 answered() {  # the README snippet'"'"'s request, without the SDK (not installed by the run command)
