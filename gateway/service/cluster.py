@@ -3,15 +3,16 @@
 Active health: every ``health_interval_s`` each engine's ``/health`` is probed. An engine that
 has never passed a probe is *starting*: its first failed probe takes it out of routing at once
 (a gateway started before its engines answers 503 ``no_healthy_engine``, with Retry-After, and
-``/ready`` names what it waits for, instead of trying engines that do not listen yet). After that,
-after
+``/ready`` names what it waits for, instead of trying engines that do not answer yet: vLLM binds
+its port before its engine is built, so a starting engine's probe times out rather than being
+refused, and even a panicking pool leaves it out). After that, after
 ``eject_after_failures`` consecutive failures it is ejected (routing skips it), after
 ``readmit_after_successes`` consecutive successes it is re-admitted. Passive health: a connection
 failure seen by the proxy counts as a failed probe.
 
 Panic (as Envoy's panic threshold): when the fraction of a pool's engines passing probes is at
 or below ``limits.panic_threshold`` (default 0: none passes), the pool is *panicking* and its
-views report every engine that did not refuse a connection as healthy, so a pool whose live
+views report every engine that has answered before and did not refuse a connection as healthy, so a pool whose live
 engines are merely slow to answer probes under load keeps serving instead of answering 502/503.
 Engines that refused a connection (nothing listens) stay out. Every ejection calls the
 ``on_eject`` callbacks with the engine's name (the re-homer moves its sessions). Load:
@@ -88,7 +89,7 @@ class EngineState:
             pool=self.pool,
             role=self.role,
             models=self.models,
-            healthy=self.healthy or (panic and not self.refused),
+            healthy=self.healthy or (panic and self.seen and not self.refused),
             running=self.running,
             waiting=self.waiting,
             kv_usage=self.kv_usage,
@@ -174,7 +175,7 @@ class Cluster:
         """May a request (or a retry) be sent to ``name`` now? Healthy, or in a panicking pool
         and not known to refuse connections."""
         s = self.engines[name]
-        return s.healthy or (not s.refused and self.panicking()[s.pool])
+        return s.healthy or (s.seen and not s.refused and self.panicking()[s.pool])
 
     def models(self) -> list[str]:
         return sorted({m for v in self.views() if v.healthy for m in v.models})

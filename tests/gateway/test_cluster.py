@@ -115,8 +115,10 @@ def _route(cluster: Cluster) -> str:
 
 
 async def test_panic_keeps_a_pool_of_live_but_slow_engines_in_service() -> None:
-    state = {"a": "slow", "b": "slow"}
+    state = {"a": "ok", "b": "ok"}
     cluster = _panic_cluster(state)
+    await cluster.probe_once()  # both up once: admitted
+    state["a"] = state["b"] = "slow"
     for _ in range(2):
         await cluster.probe_once()
     assert not cluster.engines["a"].healthy and not cluster.engines["b"].healthy  # both ejected
@@ -135,9 +137,11 @@ async def test_panic_keeps_a_pool_of_live_but_slow_engines_in_service() -> None:
 
 
 async def test_panic_threshold_as_a_fraction_of_the_pool() -> None:
-    state = {"a": "slow", "b": "ok"}
-    strict, lenient = _panic_cluster(dict(state)), _panic_cluster(dict(state), threshold=0.5)
-    for c in (strict, lenient):
+    states = [{"a": "ok", "b": "ok"}, {"a": "ok", "b": "ok"}]
+    strict, lenient = _panic_cluster(states[0]), _panic_cluster(states[1], threshold=0.5)
+    for c, state in zip((strict, lenient), states, strict=True):
+        await c.probe_once()  # both up once
+        state["a"] = "slow"
         for _ in range(2):
             await c.probe_once()
     assert strict.panicking() == {"p": False} and [v.name for v in strict.views() if v.healthy] == ["b"]
@@ -173,3 +177,22 @@ async def test_an_engine_that_never_answered_is_starting_and_out_of_routing(
     assert cluster.engines["a"].healthy
     await cluster.probe_once()
     assert cluster.waiting() == {"a": "refusing connections", "b": "starting"}
+
+
+async def test_a_starting_engine_that_accepts_but_does_not_answer_stays_out_even_in_panic() -> None:
+    """vLLM binds its port before its engine is built: a starting engine's probe times out
+    instead of being refused. A panicking pool serves live-but-slow engines, not ones that never
+    answered."""
+    state = {"a": "slow", "b": "slow"}
+    cluster = _panic_cluster(state)
+    await cluster.probe_once()
+    assert cluster.panicking() == {"p": True}
+    assert not any(v.healthy for v in cluster.views()) and not cluster.routable("a")
+    assert cluster.waiting() == {"a": "starting", "b": "starting"}
+    state["a"] = "ok"
+    await cluster.probe_once()
+    state["a"] = "slow"  # up once, then slow: the panic serves it again
+    for _ in range(2):
+        await cluster.probe_once()
+    assert cluster.panicking() == {"p": True}
+    assert cluster.routable("a") and not cluster.routable("b")
