@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,9 @@ from gateway.service.tenants import CREDENTIAL_HEADERS
 __all__ = ["Forwarder", "Relay"]
 
 log = logging.getLogger("agentgw.forwarding")
+
+TAIL_CHUNKS = 3
+"""Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
 _DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
 
@@ -57,6 +61,8 @@ class Relay:
     cluster: Cluster | None = None
     ticket: Ticket | None = None
     """The request's place in the cluster's load ledger (prefilling until the first chunk)."""
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=TAIL_CHUNKS))
+    """The last chunks relayed: where the answer's usage report is (gateway/service/usage.py)."""
 
     @property
     def status(self) -> int:
@@ -67,17 +73,17 @@ class Relay:
         return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        it = self.response.content.iter_any()
-        if self.ticket is None or self.cluster is None:
-            return it
-        return self._first_then(it)
+        return self._first_then(self.response.content.iter_any())
 
     async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        keep = self.tail.append
         async for chunk in it:
             self.prefilled()
+            keep(chunk)
             yield chunk
             break
         async for chunk in it:
+            keep(chunk)
             yield chunk
 
     def prefilled(self) -> None:
