@@ -13,12 +13,15 @@ from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
+from gateway.service.membership import read_pools_file
+from gateway.service.request_ids import install_log_filter
 from gateway.service.tenants import TenantRegistry
 
 
 def _serve_app(
     config: GatewayConfig,
     log_level: str,
+    reload: Any = None,
     engine_notes: dict[str, str] | None = None,
     on_server: Callable[[Any], None] | None = None,
 ) -> None:
@@ -29,8 +32,9 @@ def _serve_app(
 
     raise_fd_limit()  # idle clients and upstream streams both hold descriptors
     # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
-    app = create_app(config, engine_notes=engine_notes)
-    server = GatewayServer(uvicorn_config(app, config, log_level=log_level), app.drain)
+    app = create_app(config, reload=reload, engine_notes=engine_notes)
+    # log_config None: uvicorn's own lines go through the root handler too (with the request id)
+    server = GatewayServer(uvicorn_config(app, config, log_level=log_level, log_config=None), app.drain)
     if on_server is not None:
         on_server(server)
     server.run()
@@ -90,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
+    install_log_filter()  # %(request_id)s: the request's x-request-id, "-" outside a request
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
 
     overrides: dict[str, object] = {}
@@ -109,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config, pools=pools, **overrides)
         # says whether keys are required; keys named by environment variables must be there now
         TenantRegistry.from_config(config.auth, config.listen.host)
+        if config.discovery.file is not None:
+            read_pools_file(config.discovery.file)  # a bad discovery file stops the start here
     except ConfigError as exc:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
-    if config.pools:
+    if config.pools or config.discovery.file is not None:
         if args.engines is not None or args.first_turn is not None or args.warm is not None:
             print(
                 "agentgw: --engines/--first-turn/--warm start local engines: not with pools", file=sys.stderr
@@ -121,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         # uvicorn re-raises the signal that stopped it once it has drained and shut down: here
         # that is a normal exit (0), not death by SIGTERM
         previous = signal.signal(signal.SIGTERM, _terminate)
+
+        def reload() -> GatewayConfig:  # SIGHUP, POST /admin/reload: the file as it is now
+            return load_config(args.config, **overrides)
+
         try:
-            _serve_app(config, args.log_level)
+            _serve_app(config, args.log_level, reload if args.config and not args.engine else None)
         except KeyboardInterrupt:
             pass
         finally:
@@ -213,7 +225,8 @@ def _serve_embedded(
             assert startup is not None
             startup.on_failure = stop_server
 
-        _serve_app(config, args.log_level, {s.name: f"log {s.log_path}" for s in specs}, attach)
+        notes = {s.name: f"log {s.log_path}" for s in specs}
+        _serve_app(config, args.log_level, engine_notes=notes, on_server=attach)
     except KeyboardInterrupt:
         pass
     except (EngineError, ConfigError) as exc:

@@ -66,6 +66,8 @@ else
 fi
 if [ "$test_deps" = 1 ]; then
   want apt redis-server "$(has redis-server)"  # session sharing and the tests
+  # Debian's nginx 1.22 in front of gateway replicas (tests/gateway/test_balancer.py, benchmarks.replicas)
+  want apt nginx-light "$( { command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; } && echo 1 || echo 0)"
   want apt libibverbs1 "$(lib libibverbs.so.1)"  # Mooncake
   # headless browser for the dashboard test (tests/gateway/test_dashboard_browser.py)
   want apt chromium "$(has chromium)"
@@ -117,6 +119,8 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
   step apt-update "apt-get update" net_retry $SUDO apt-get -o Acquire::Retries=5 update
   step apt "installing ${apt_missing[*]} (apt)" \
     net_retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y "${apt_missing[@]}"
+  # the package may start a system nginx on port 80: the tests run their own on free ports
+  if [[ " ${apt_missing[*]} " == *" nginx-light "* ]]; then $SUDO nginx -s quit >/dev/null 2>&1 || true; fi
 fi
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' 2>/dev/null ||
   { echo "setup: agentgw needs Python >= 3.11 ($PY is $("$PY" -V 2>&1)); set PYTHON=python3.11" >&2; exit 1; }

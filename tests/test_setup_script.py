@@ -13,6 +13,7 @@ SETUP = ROOT / "scripts" / "setup.sh"
 
 TEST_ONLY = {
     "redis-server",
+    "nginx-light",
     "libibverbs1",
     "chromium",
     "chromium-driver",
