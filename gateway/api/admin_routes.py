@@ -117,7 +117,14 @@ def _pools_json(svc: GatewayService) -> dict[str, object]:
     }
 
 
-@router.get("/admin/pools", summary="The engines now (admin key)", dependencies=[Depends(require_admin)])
+# operator routes (docs/operations.md), not the client contract (openapi/agentgw.yaml), like the
+# dashboard's: a fuzzer of the contract must not replace the engine list
+@router.get(
+    "/admin/pools",
+    summary="The engines now (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
 async def get_pools(request: Request) -> JSONResponse:
     return JSONResponse(_pools_json(_svc(request)))
 
@@ -126,6 +133,7 @@ async def get_pools(request: Request) -> JSONResponse:
     "/admin/pools",
     summary="Replace the engine list while running (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def put_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
@@ -147,6 +155,7 @@ async def put_pools(request: Request) -> JSONResponse:
     "/admin/reload",
     summary="Re-read the config (and discovery) file's pools, as SIGHUP does (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def reload_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
