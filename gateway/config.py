@@ -84,8 +84,13 @@ class LimitsConfig(_Strict):
     """Body limit of the session API (``/v1/agent/sessions/...``)."""
     max_buffered_body_bytes: int = Field(1024 * 1024 * 1024, gt=0)
     """Request-body bytes held at once, all requests together (a generation request's until its
-    response ends, the other routes' while they are read); a body that would go past it gets a
-    503 ``overloaded`` with ``Retry-After`` (gateway/api/body_budget.py)."""
+    response ends, the other routes' while they are read), counted as they arrive (never on the
+    declared ``Content-Length``); a body that would go past it gets a 503 ``overloaded`` with
+    ``Retry-After`` (gateway/api/body_budget.py)."""
+    max_buffered_body_bytes_per_tenant: int = Field(256 * 1024 * 1024, gt=0)
+    """The part of ``limits.max_buffered_body_bytes`` one tenant may hold (one client address when
+    no API keys are configured), so one tenant's bodies always leave room for the others'; past it
+    a 429 ``tenant_body_budget`` with ``Retry-After``. At most ``max_buffered_body_bytes``."""
 
 
 class ModelConfig(_Strict):
@@ -150,6 +155,14 @@ class RoutingConfig(_Strict):
     the turn; past it the turn stays home past the knee. 0: any move."""
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
+    cold_home_no_affinity: bool = RoutingParams().cold_home_no_affinity
+    """A session whose home holds less than half the prompt the best engine holds is re-scored
+    without the home's ``session_affinity`` bonus (``rehome_cold``)."""
+    new_session_load: bool = RoutingParams().new_session_load
+    """A new session that the scores send to an engine for a prefix it holds (a shared system
+    prompt) goes to the engine with the lowest estimated time to first token (uncached tokens
+    x ``prefill_s_per_token`` + queue x ``queue_s_per_request``) when that is lower
+    (``new_session_load``): sessions spread instead of piling onto that engine."""
     split: Literal["cost", "wall"] = "cost"
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
     sides with the engine cost model below (gateway/core/policies/split.py) and the load the
@@ -323,6 +336,17 @@ class DrainConfig(_Strict):
     a 503."""
 
 
+class DiscoveryConfig(_Strict):
+    """Engines from a file that the gateway re-reads while it runs (gateway/service/membership.py)."""
+
+    file: str | None = None
+    """A YAML or JSON file holding ``pools:`` (the same schema as the ``pools`` key); when set it
+    gives the engines at start (instead of ``pools``) and is re-read every ``interval_s`` when its
+    modification time changes: engines join and leave without a restart."""
+    interval_s: float = Field(5.0, gt=0)
+    """How often the discovery file's modification time is checked."""
+
+
 class HintsConfig(_Strict):
     on_invalid: Literal["reject", "ignore"] = "reject"
     """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
@@ -376,6 +400,7 @@ class GatewayConfig(BaseSettings):
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
     drain: DrainConfig = DrainConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +24,14 @@ import aiohttp
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
+from gateway.service.admission import TenantPass
 from gateway.service.errors import ResponseNotFound
 from gateway.service.gateway import GatewayService, Plan, Relay
 from gateway.service.responses import SCAN_BYTES, find_response_id
+from gateway.service.tenants import Tenant
 
 log = logging.getLogger("agentgw.api")
 
@@ -85,14 +88,12 @@ async def read_body(
     receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
 ) -> bytes:
     """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
-    (503; the claim holds the bytes until it is released). A ``declared`` length is checked
-    and claimed whole before a byte is read (a client announcing a body that cannot fit is
-    refused at once); a chunked body is claimed as it arrives."""
-    if declared is not None:
-        if declared > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None:
-            claim.take(declared)
+    (429 past the owner's share, 503 past the whole; the claim holds the bytes until it is
+    released). A ``declared`` length past ``limit`` is refused before a byte is read; bytes are
+    claimed as they arrive, never on the declared length (a client announcing 32 MiB and
+    sending one byte holds one byte)."""
+    if declared is not None and declared > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -103,11 +104,27 @@ async def read_body(
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None and chunk and (declared is None or size > declared):
+        if claim is not None and chunk:
             claim.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def body_owner(svc: GatewayService, tenant: Tenant, scope: Scope) -> str:
+    """Whom the body's bytes are charged to (gateway/api/body_budget.py): the tenant, or the
+    client's address when no API keys are configured."""
+    if svc.tenants.open:
+        client = scope.get("client")
+        return "addr:" + (client[0] if client else "")
+    return "tenant:" + tenant.name
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, then what is left of ``rest``."""
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 async def wait_disconnect(receive: Any) -> None:
@@ -217,11 +234,45 @@ class GenerationEndpoint:
     ) -> None:
         wire = self.wire
         t0 = time.perf_counter()
+        headers = scope["headers"]
+        try:
+            tenant = svc.tenants.authenticate(headers)
+            limit = svc.config.limits.max_body_bytes
+            declared = declared_length(headers)
+            if declared is not None and declared > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+            # the tenant's concurrency and rate limits before a byte of the body is read (its
+            # tokens estimated from the declared length, settled once analysed): a refused
+            # request costs its headers, not a read, a parse and an analysis
+            entered = svc.admission.enter(tenant, (declared or 0) // 4)
+        except ApiError as err:
+            svc.metrics.count_request(self.route, str(err.status), "", "")
+            # the body is unread: close the connection rather than read and discard it
+            await send_error(send, err, [(b"connection", b"close")], render=wire.render_error)
+            return
+        try:
+            if claim is not None:
+                claim.owner = body_owner(svc, tenant, scope)
+            await self._turn(svc, scope, receive, send, flight, claim, tenant, entered, t0)
+        finally:
+            entered.leave()
+
+    async def _turn(
+        self,
+        svc: GatewayService,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        flight: Flight | None,
+        claim: Claim | None,
+        tenant: Tenant,
+        entered: TenantPass,
+        t0: float,
+    ) -> None:
+        wire = self.wire
         raw: bytes | None = None
         try:
-            tenant = svc.tenants.authenticate(scope["headers"])
-            limit = svc.config.limits.max_body_bytes
-            raw = await read_body(receive, limit, claim, declared_length(scope["headers"]))
+            raw = await read_body(receive, svc.config.limits.max_body_bytes, claim)
             await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
             parsed = wire.parse(raw)
             plan = await svc.plan(parsed, raw, scope["headers"], tenant)
@@ -230,31 +281,45 @@ class GenerationEndpoint:
         except (ApiError, *SERVICE_ERRORS) as exc:
             err = exc if isinstance(exc, ApiError) else to_api_error(exc)
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            # refused before its body was read (401, 413, the body budget's 503): close the
+            # refused before its body was read (the body budget's 429/503): close the
             # connection rather than read and discard the rest of the body to keep it alive
             unread = [(b"connection", b"close")] if raw is None else None
             await send_error(send, err, unread, render=wire.render_error)
             return
         interactive = plan.analysis.hints.interactive
+        # the client may leave while the request waits for a slot: it must then never reach
+        # an engine (watched from here on, not only once the engine is being reached)
+        watch = _Watch(receive)
         async with contextlib.AsyncExitStack() as admitted:
             try:
-                # the tenant's limits and the gateway's, then the engine's; interactive turns first
+                # the gateway's limits (the tenant's were checked before the body), then the
+                # engine's; interactive turns first
                 await admitted.enter_async_context(
-                    svc.admission.admit(tenant, interactive, plan.analysis.request.prompt_tokens)
+                    svc.admission.admit(
+                        tenant, interactive, plan.analysis.request.prompt_tokens, entered=entered
+                    )
                 )
                 await admitted.enter_async_context(
                     svc.admission.engine_slot(plan.decision.engine, interactive)
                 )
             except ApiError as err:
+                watch.stop()
                 await svc.abandon(plan)
                 svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
                 await send_error(send, err, plan.extra_headers, wire.render_error)
                 return
             except asyncio.CancelledError:
+                if watch.gone:  # the client left while queued: never sent
+                    watch.absorb()
+                    svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
+                    await svc.abandon(plan)
+                    return
+                watch.stop()
                 if flight is not None and flight.cut:
                     await svc.abandon(plan)
                 raise
-            await self._serve(svc, plan, parsed, t0, receive, send, flight)
+            abort = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
+            await self._serve(svc, plan, parsed, t0, send, flight, watch, abort)
 
     async def _serve(
         self,
@@ -262,12 +327,12 @@ class GenerationEndpoint:
         plan: Plan,
         parsed: ParsedRequest,
         t0: float,
-        receive: Any,
         send: Any,
         flight: Flight | None,
+        watch: _Watch,
+        abort: Callable[[], None] | None = None,
     ) -> None:
         wire = self.wire
-        watch = _Watch(receive)
         try:
             up = await svc.open(
                 plan.decision,
@@ -300,7 +365,7 @@ class GenerationEndpoint:
                 await self._relay_error(svc, plan, up, t0, send, parsed.previous_response_id)
                 return
             record = wire.stores_responses and parsed.store and up.status == 200
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight)
+            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight, abort)
         finally:
             up.close()
 
@@ -351,7 +416,10 @@ class GenerationEndpoint:
         stream: bool,
         record_id: bool,
         flight: Flight | None = None,
+        abort: Callable[[], None] | None = None,
     ) -> None:
+        """``abort``: the server's way to cut the client connection mid-response (without it,
+        a whole answer cut mid-body is left unfinished for the server to close)."""
         headers = up.headers() + plan.response_headers(up)
         status = str(up.status)
         started = False
@@ -359,12 +427,19 @@ class GenerationEndpoint:
         head = b""
         delivered = False  # the stream's last event has been relayed whole
         ends = self.wire.stream_end if stream else ()
+        chunks = up.chunks()
         try:
+            if not stream:
+                # a whole answer's status line waits for its first bytes: an engine failing
+                # before them is a 502 in the API's shape, not a 200 with an empty body
+                async for chunk in chunks:
+                    chunks = _after(chunk, chunks)
+                    break
             await send({"type": "http.response.start", "status": up.status, "headers": headers})
             started = True
             if flight is not None:
                 flight.responded = True
-            async for chunk in up.chunks():
+            async for chunk in chunks:
                 if first:
                     svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
                     first = False
@@ -385,11 +460,14 @@ class GenerationEndpoint:
                 # the drain deadline passed: end the stream the way an engine failure does
                 _uncancel(flight.task)
                 status = "503"
-                tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
                 with contextlib.suppress(Exception):
                     if not started:
                         flight.responded = True
+                        if not stream:
+                            await send_error(send, self._drain.error(), None, self.wire.render_error)
+                            return
                         await send({"type": "http.response.start", "status": 503, "headers": headers})
+                    tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
                     await send({"type": "http.response.body", "body": tail, "more_body": False})
                 return
             if not watch.gone:
@@ -400,19 +478,28 @@ class GenerationEndpoint:
             watch.absorb()
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
+            watch.stop()
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             # died or froze: ejected; whether it still listens, the next probe says
             svc.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
-            tail = (
-                self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")
-                if stream
-                else b""
-            )
+            message = f"engine '{up.engine}' failed mid-response: {exc!r}"
             with contextlib.suppress(Exception):
-                if not started:
-                    await send({"type": "http.response.start", "status": 502, "headers": headers})
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                if not started:  # nothing sent yet: the API's error
+                    err = ApiError(502, message, None, "upstream_error")
+                    await send_error(send, err, plan.response_headers(up), self.wire.render_error)
+                elif stream:  # the API's error event ends the stream
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": self.wire.stream_error(message),
+                            "more_body": False,
+                        }
+                    )
+                elif abort is not None:
+                    # part of a whole answer is out: cut the connection before its end, so the
+                    # client sees a failure, never a short answer that looks complete
+                    abort()
         except OSError:
             # the server's send() raised (ASGI 2.4: the client connection is closed) before the
             # disconnect watcher fired: the same outcome

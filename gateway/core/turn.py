@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from gateway.core.hints import AgentHints
-from gateway.core.sessions import SessionRecord
+from gateway.core.sessions import MAX_HASHES, SessionRecord
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, SessionView, Snapshot
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "owner_decision",
     "place",
     "prepare",
+    "restarts",
     "settle",
 ]
 
@@ -109,6 +110,21 @@ class Turn:
     seq: int = 0
 
 
+def restarts(record: SessionRecord | None, turn: Turn) -> bool:
+    """Whether ``turn`` restarts its session: the session has a completed turn of the same model
+    and the new prompt shares no block with that turn's prompt (a client that reuses a session id
+    for an unrelated conversation). A restarted session is placed as a new one: no home, no
+    turns, no history. Prompts shorter than a block say nothing (no hashes on either side)."""
+    if record is None or record.ended or record.turns == 0 or not turn.hashes:
+        return False
+    if record.model is not None and record.model != turn.model:
+        return False  # another model's hashes are not comparable
+    first = record.first_hash
+    if first is None and 0 < len(record.prefix_hashes) < MAX_HASHES:
+        first = record.prefix_hashes[0]  # a record written before first_hash, not truncated
+    return first is not None and turn.hashes[0] != first
+
+
 def prepare(
     turn: Turn,
     record: SessionRecord | None,
@@ -122,7 +138,7 @@ def prepare(
     session-less turn; an ended record counts as none), ``parent`` the parent session's."""
     h = turn.hints
     sid = h.session_id
-    if record is not None and record.ended:
+    if record is not None and (record.ended or restarts(record, turn)):
         record = None
     view = None
     if sid is not None:
@@ -189,7 +205,7 @@ def place(record: SessionRecord | None, decision: Decision, turn: Turn, now: flo
     """The session's record once the turn is placed: its new home, one more turn in flight."""
     h = turn.hints
     assert h.session_id is not None, "place() is for session turns"
-    if record is None or record.ended:
+    if record is None or record.ended or restarts(record, turn):
         record = SessionRecord(h.session_id, created=now, last_activity=now)
     record.home, record.pool = decision.engine, decision.pool
     record.model = turn.model

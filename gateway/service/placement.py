@@ -134,7 +134,11 @@ class Placement:
         except NoEngine as exc:
             if exc.reason == "unknown_model":
                 raise ModelNotFound(str(exc)) from None
-            raise NoCapacity(str(exc), self.config.limits.retry_after_s) from None
+            message = str(exc)
+            starting = self.cluster.starting()
+            if starting and not any(self.cluster.ready().values()):  # a gateway started before its engines
+                message += f": engines starting ({', '.join(starting)}); GET /ready says when they are up"
+            raise NoCapacity(message, self.config.limits.retry_after_s) from None
 
     def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
         """Where the session's last prompt is cached. Its hashes are exact when its model has a
@@ -155,6 +159,8 @@ class Placement:
         sid = h.session_id
         if sid is None:
             return
+        if pipeline.restarts(a.record, turn):
+            self.metrics.session_restarts.inc()
         if sid in self.migrations.current:
             frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
             self.migrations.on_next_turn(sid, d.engine, frac)
