@@ -129,8 +129,9 @@ class AnalysisConfig(_Strict):
     """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
     budget_ms: float = Field(2000.0, gt=0)
     """Longest wait for one analysis; past it the request is routed on the approximate index."""
-    max_backlog: int = Field(16, ge=1)
-    """Requests queued per worker beyond which new ones are routed approximately at once."""
+    max_backlog: int = Field(64, ge=1)
+    """Requests queued per worker beyond which new ones are routed approximately at once (the
+    budget bounds the wait too: a request whose predicted wait exceeds it is not queued)."""
     cache_bytes: int = Field(512 * 1024 * 1024, gt=0)
     """Content-keyed token cache, all workers together (fits a 24 GiB machine beside engines)."""
     session_tokens_bytes: int = Field(64 * 1024 * 1024, gt=0)
@@ -341,6 +342,17 @@ class DrainConfig(_Strict):
     a 503."""
 
 
+class DiscoveryConfig(_Strict):
+    """Engines from a file that the gateway re-reads while it runs (gateway/service/membership.py)."""
+
+    file: str | None = None
+    """A YAML or JSON file holding ``pools:`` (the same schema as the ``pools`` key); when set it
+    gives the engines at start (instead of ``pools``) and is re-read every ``interval_s`` when its
+    modification time changes: engines join and leave without a restart."""
+    interval_s: float = Field(5.0, gt=0)
+    """How often the discovery file's modification time is checked."""
+
+
 class HintsConfig(_Strict):
     on_invalid: Literal["reject", "ignore"] = "reject"
     """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
@@ -394,6 +406,7 @@ class GatewayConfig(BaseSettings):
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
     drain: DrainConfig = DrainConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -33,6 +34,9 @@ from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, Upstream
 __all__ = ["Forwarder", "Relay"]
 
 log = logging.getLogger("agentgw.forwarding")
+
+TAIL_CHUNKS = 3
+"""Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
 STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt", "priority")
 """Body fields that steer an engine (its KV connector, its prefix-cache namespace, its queue):
@@ -80,6 +84,8 @@ class Relay:
     cluster: Cluster | None = None
     ticket: Ticket | None = None
     """The request's place in the cluster's load ledger (prefilling until the first chunk)."""
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=TAIL_CHUNKS))
+    """The last chunks relayed: where the answer's usage report is (gateway/service/usage.py)."""
 
     @property
     def status(self) -> int:
@@ -90,17 +96,17 @@ class Relay:
         return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        it = self.response.content.iter_any()
-        if self.ticket is None or self.cluster is None:
-            return it
-        return self._first_then(it)
+        return self._first_then(self.response.content.iter_any())
 
     async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        keep = self.tail.append
         async for chunk in it:
             self.prefilled()
+            keep(chunk)
             yield chunk
             break
         async for chunk in it:
+            keep(chunk)
             yield chunk
 
     def prefilled(self) -> None:
