@@ -57,7 +57,7 @@ from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
 from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionTable
-from gateway.core.turn import Turn, index_for
+from gateway.core.turn import Turn, index_for, restarts
 from gateway.core.types import Decision, EngineView, Medium, PoolRole
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
@@ -203,6 +203,7 @@ class Simulator:
         self._rid = 0
         self.records: list[RequestRecord] = []
         self.migrations = 0
+        self.session_restarts = 0
         self.kv_bytes_moved = 0
         self.now = 0.0
         self.plays: dict[str, Play] = {}
@@ -327,6 +328,8 @@ class Simulator:
         self._seq += 1
         turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)
         rec = self.sessions.get(sid, now) if (cfg.hints and sid is not None) else None
+        if restarts(rec, turn):
+            self.session_restarts += 1
         parent = self.sessions.get(parent_id, now) if parent_id is not None else None
         core = self.core
         a = core.on_arrival(turn, self._index_kind, rec, parent, self._engine_views(), now)

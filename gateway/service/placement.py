@@ -22,7 +22,7 @@ from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
 from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
-from gateway.core.turn import IndexKind, Turn, index_for
+from gateway.core.turn import IndexKind, Turn, index_for, restarts
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ModelNotFound, NoCapacity, ResponseNotFound
@@ -144,6 +144,8 @@ class Placement:
         its new home, the parent its child, the fan-out its in-flight sibling."""
         self.metrics.count_decision(d.profile, d.pool, d.reason)
         sid = a.hints.session_id
+        if sid is not None and restarts(a.record, a.turn):
+            self.metrics.session_restarts.inc()
         if sid is not None and sid in self.migrations.current:
             frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
             self.migrations.on_next_turn(sid, d.engine, frac)
