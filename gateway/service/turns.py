@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import aiohttp
+import httpx
 
 from gateway.core.hints import HintError
 from gateway.core.types import Decision
@@ -314,7 +314,7 @@ class Turns:
             record = route.stores_responses and parsed.store and up.status == 200
             await self._relay(route, turn, up, edge, watch, record)
         finally:
-            up.close()
+            await up.aclose()
 
     async def _settle(self, route: Route, turn: _Turn, up: Relay, status: str) -> None:
         """The engine answered (whole, in part, or with an error): count the turn, settle it."""
@@ -350,7 +350,7 @@ class Turns:
                 ]
                 await edge.respond(up.status, headers, body)
                 status = str(up.status)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, httpx.TransportError) as exc:
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             err = ApiError(502, f"engine '{up.engine}' failed mid-response: {exc!r}", None, "upstream_error")
             await edge.refuse(err, [])
@@ -399,7 +399,7 @@ class Turns:
                 status = "499"
                 svc.metrics.client_disconnects.labels(up.engine).inc()
             watch.absorb()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, httpx.TransportError) as exc:
             status = "502"
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             # died or froze: ejected; whether it still listens, the next probe says

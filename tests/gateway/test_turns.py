@@ -9,7 +9,7 @@ import asyncio
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -18,6 +18,8 @@ import httpx
 import orjson
 import pytest
 
+from gateway.api.app import create_app
+from gateway.config import load_config
 from gateway.core.turn import IndexKind
 from gateway.service.tenants import key_digest
 from tests.conftest import ServedGateway, fake_engine, wait_ready
@@ -251,3 +253,56 @@ def test_only_the_pipeline_orders_the_stages_and_no_stage_calls_the_edge(engines
         assert callers == {pipeline}, (stage, callers)
     # and the commit comes after admission: nothing written for a turn that is refused
     assert order.index("Placement.place") > order.index("Admission.engine_slot")
+
+
+# -- without sockets -------------------------------------------------------------------------
+
+
+def _sse(*events: bytes, fail: bool = False) -> AsyncIterator[bytes]:
+    async def gen() -> AsyncIterator[bytes]:
+        for e in events:
+            yield b"data: " + e + b"\n\n"
+        if fail:
+            raise httpx.ReadError("connection reset by peer")
+
+    return gen()
+
+
+async def test_a_turn_runs_end_to_end_on_an_injected_transport() -> None:
+    """The whole hot path (edge, pipeline, forwarding, relay) over ``httpx.MockTransport``: the
+    engine is a function, the client an ASGI transport; no socket anywhere."""
+    sent: list[dict[str, Any]] = []
+
+    async def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/chat/completions":
+            return httpx.Response(200, text="")  # /health, /metrics
+        body = orjson.loads(request.content)
+        sent.append(body)
+        chunk = orjson.dumps({"choices": [{"index": 0, "delta": {"content": "hi"}}]})
+        events = _sse(chunk, b"[DONE]", fail=body["messages"][-1]["content"] == "fail")
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+
+    cfg = load_config(None, **config(["http://e0.test", "http://e1.test"]))
+    app = create_app(cfg, transport=httpx.MockTransport(engine))
+    async with (
+        app.api.router.lifespan_context(app.api),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c,
+    ):
+        body = {**chat(1), "stream": True}
+        r = await c.post("/v1/chat/completions", json=body, headers=headers("s"))
+        assert r.status_code == 200 and r.headers["x-agentgw-reason"] == "new_session"
+        assert r.text.endswith("data: [DONE]\n\n") and '"hi"' in r.text
+        home = r.headers["x-agentgw-engine"]
+        assert sent[-1]["messages"] == body["messages"]
+        svc = app.state.service
+        rec = await svc.sessions.get("s", svc.clock())
+        assert rec is not None and rec.home == home and rec.turns == 1 and rec.inflight == 0
+        # the engine dies mid-stream: the stream ends with the API's error event, counted
+        failing = {**body, "messages": [*body["messages"], {"role": "user", "content": "fail"}]}
+        r = await c.post("/v1/chat/completions", json=failing, headers=headers("s"))
+        assert r.status_code == 200 and '"code":"upstream_error"' in r.text.replace(" ", "")
+        assert r.text.endswith("data: [DONE]\n\n")
+        failed = svc.metrics.requests.labels("/v1/chat/completions", "502", "p", home)._value.get()
+        assert failed == 1
+        rec = await svc.sessions.get("s", svc.clock())
+        assert rec is not None and rec.turns == 1 and rec.inflight == 0  # settled, not counted as a turn
