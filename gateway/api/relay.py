@@ -22,6 +22,7 @@ from typing import Any
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
 from gateway.api.errors import to_api_error
+from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
 from gateway.service.gateway import GatewayService
@@ -216,6 +217,11 @@ class _AsgiEdge:
 
     async def end(self, tail: bytes = b"") -> None:
         await self.send_({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def abort(self) -> None:
+        cut = (self.scope.get("extensions") or {}).get(ABORT_EXTENSION)
+        if cut is not None:
+            cut()
 
     def _responded(self) -> None:
         self.responded = True

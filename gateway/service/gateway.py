@@ -26,6 +26,7 @@ from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.kv_events import KvEventSubscriber
+from gateway.service.membership import Membership
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
 from gateway.service.placement import Analysis, Placement
@@ -85,6 +86,8 @@ class GatewayService:
         self.roles = (
             RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
         )
+        self.membership = Membership(self)
+        """Engines joining and leaving while it runs (SIGHUP, admin API, discovery file)."""
 
     @property
     def index(self) -> Any:
@@ -102,8 +105,10 @@ class GatewayService:
                 sub = KvEventSubscriber(self._zmq, self.placement.index, s.name, s.config.kv_events)
                 sub.start()
                 self.subscribers.append(sub)
+        self.membership.start()
 
     async def stop(self) -> None:
+        await self.membership.stop()
         if self.roles is not None:
             await self.roles.stop()
         if self.rehomer.engine_ejected in self.cluster.on_eject:

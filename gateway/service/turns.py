@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,6 +43,7 @@ from gateway.service.forwarding import Relay
 from gateway.service.placement import Analysis
 from gateway.service.responses import SCAN_BYTES, find_response_id
 from gateway.service.tenants import Tenant
+from gateway.service.usage import count_usage
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService
@@ -115,6 +116,18 @@ class Edge(Protocol):
 
     async def end(self, tail: bytes = b"") -> None: ...
 
+    def abort(self) -> None:
+        """Cut the connection mid-response: the client sees a failed answer, never a short one
+        that looks complete (no-op where the server cannot)."""
+        ...
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, then what is left of ``rest``."""
+    yield first
+    async for chunk in rest:
+        yield chunk
+
 
 class _Watch:
     """Cancels the task that runs the turn when the client disconnects."""
@@ -154,6 +167,8 @@ class _Turn:
     parsed: ParsedRequest | None = None
     analysis: Analysis | None = None
     decision: Decision | None = None
+    body: bytes = b""
+    """What the engine gets."""
     extra_headers: Headers = field(default_factory=list)
     committed: bool = False
     """The routing core's state and the session record were written (settled exactly once)."""
@@ -258,6 +273,10 @@ class Turns:
             turn.parsed = parsed = edge.parse(turn.raw)
             turn.analysis = a = await svc.analyze(parsed, headers, tenant=turn.tenant)
             turn.decision = d = svc.decide(a)
+            # the body the engine gets, before anything is written: one that cannot be
+            # forwarded is a 400 that leaves no session state behind
+            salted = turn.tenant.cache_salt is not None
+            turn.body = svc.forwarder.body(parsed.body, turn.raw, a.hints, svc.pin_for(a, d), changed=salted)
         except REFUSALS as exc:
             await self._refuse(route, turn, edge, exc, [])
             return
@@ -293,13 +312,11 @@ class Turns:
         svc = self.svc
         a, d, parsed = turn.analysis, turn.decision, turn.parsed
         assert a is not None and d is not None and parsed is not None
-        salted = turn.tenant.cache_salt is not None
-        body = svc.forwarder.body(parsed.body, turn.raw, a.hints, svc.pin_for(a, d), changed=salted)
         try:
             up = await svc.open(
                 d,
                 route.upstream_path,
-                body,
+                turn.body,
                 svc.forwarder.headers(headers),
                 parsed.stream,
                 continues=parsed.previous_response_id,
@@ -325,6 +342,8 @@ class Turns:
         turn.counted = turn.settled = True
         up.finished()
         svc.cluster.end(up.engine)
+        a, d = turn.analysis, turn.decision
+        count_usage(svc.metrics, turn.tenant.name, status, up.tail, a.request.prompt_tokens, d.cached_tokens)
         await svc.placement.settle(turn.analysis, turn.decision, up.engine, ok=status.startswith("2"))
 
     async def _relay_error(self, route: Route, turn: _Turn, up: Relay, edge: Edge) -> None:
@@ -372,10 +391,17 @@ class Turns:
         head = b""
         delivered = False  # the stream's last event has been relayed whole
         ends = route.stream_end if stream else ()
+        chunks = up.chunks()
         try:
+            if not stream:
+                # a whole answer's status line waits for its first bytes: an engine failing
+                # before them is a 502 in the API's shape, not a 200 with an empty body
+                async for chunk in chunks:
+                    chunks = _after(chunk, chunks)
+                    break
             await edge.start(up.status, headers)
             started = True
-            async for chunk in up.chunks():
+            async for chunk in chunks:
                 if first:
                     svc.metrics.observe_ttft(route.label, time.perf_counter() - turn.t0)
                     first = False
@@ -401,15 +427,22 @@ class Turns:
             watch.absorb()
         except (TimeoutError, httpx.TransportError) as exc:
             status = "502"
+            watch.stop()
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             # died or froze: ejected; whether it still listens, the next probe says
             svc.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
-            tail = edge.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}") if stream else b""
+            message = f"engine '{up.engine}' failed mid-response: {exc!r}"
             with contextlib.suppress(Exception):
-                if not started:
-                    await edge.start(502, headers)
-                await edge.end(tail)
+                if not started:  # nothing sent yet: the API's error
+                    err = ApiError(502, message, None, "upstream_error")
+                    await edge.refuse(err, turn.response_headers(up))
+                elif stream:  # the API's error event ends the stream
+                    await edge.end(edge.stream_error(message))
+                else:
+                    # part of a whole answer is out: cut the connection before its end, so the
+                    # client sees a failure, never a short answer that looks complete
+                    edge.abort()
         except OSError:
             # the server's send() raised (ASGI 2.4: the client connection is closed) before the
             # disconnect watcher fired: the same outcome
