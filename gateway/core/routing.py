@@ -184,6 +184,11 @@ class RoutingCore:
         """The session is over: it is homed nowhere."""
         self.homes.ended(session_id)
 
+    def forget_engine(self, engine: str) -> None:
+        """``engine`` left (or a new server took its name): nothing it held is known any more."""
+        for index in self.indexes.values():
+            index.clear(engine)
+
     def on_moved(self, session_id: str, engine: str) -> None:
         """The session was re-homed on ``engine`` between turns."""
         self.homes.moved(session_id, engine)

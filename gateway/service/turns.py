@@ -267,9 +267,8 @@ class Turns:
     ) -> None:
         svc = self.svc
         try:
-            await (
-                svc.admission.turnstile.enter()
-            )  # a burst is parsed and analysed over several loop iterations
+            # a burst is parsed and analysed over several loop iterations
+            await svc.admission.turnstile.enter()
             turn.parsed = parsed = edge.parse(turn.raw)
             turn.analysis = a = await svc.analyze(parsed, headers, tenant=turn.tenant)
             turn.decision = d = svc.decide(a)
