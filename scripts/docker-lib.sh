@@ -9,7 +9,7 @@
 # Start dockerd in the background when no daemon answers (log $STATE/dockerd.log).
 ensure_dockerd() {
   docker info >/dev/null 2>&1 && return 0
-  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh installs docker.io)" >&2; return 1; }
+  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh --test installs docker.io)" >&2; return 1; }
   log "starting dockerd"
   setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
@@ -45,7 +45,7 @@ cpu_wheelhouse() {
   # async-timeout: redis needs it below Python 3.11.3 (Debian's is 3.11.2); pip evaluates markers
   # for the interpreter it runs on, not the image's
   net_retry "$PY" -m pip download -q --only-binary=:all: -d "$dir" "torch==2.13.0+cpu" ".[engine,store]" \
-    "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
+    "setuptools>=77" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
     || { tail -30 "$STATE/wheels.log" >&2; return 1; }
   echo "$want" > "$dir/.stamp"
 }

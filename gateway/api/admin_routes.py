@@ -39,7 +39,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", summary="Readiness: every configured pool has a healthy engine")
 async def ready(request: Request) -> JSONResponse:
-    pools = _svc(request).cluster.ready()
+    cluster = _svc(request).cluster
+    pools = cluster.ready()
     draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
     ok = bool(pools) and all(pools.values()) and not draining
     svc = _svc(request)
@@ -47,7 +48,20 @@ async def ready(request: Request) -> JSONResponse:
     now = time.time()
     # how stale the prefix index may be: KV events are not replayed to a replica that (re)starts
     index = {sub.engine: sub.coverage(now) for sub in svc.subscribers}
-    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining, "prefix_index": index}
+    # the engines routing skips, and why (starting, refusing connections, failing probes), with
+    # where their logs are when the gateway started them itself
+    notes: dict[str, str] = request.app.state.engine_notes
+    waiting = {
+        name: f"{why} ({notes[name]})" if name in notes else why for name, why in cluster.waiting().items()
+    }
+    body = {
+        "ready": ok,
+        "pools": pools,
+        "degraded": degraded,
+        "draining": draining,
+        "waiting_for": waiting,
+        "prefix_index": index,
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -103,7 +117,14 @@ def _pools_json(svc: GatewayService) -> dict[str, object]:
     }
 
 
-@router.get("/admin/pools", summary="The engines now (admin key)", dependencies=[Depends(require_admin)])
+# operator routes (docs/operations.md), not the client contract (openapi/agentgw.yaml), like the
+# dashboard's: a fuzzer of the contract must not replace the engine list
+@router.get(
+    "/admin/pools",
+    summary="The engines now (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
 async def get_pools(request: Request) -> JSONResponse:
     return JSONResponse(_pools_json(_svc(request)))
 
@@ -112,6 +133,7 @@ async def get_pools(request: Request) -> JSONResponse:
     "/admin/pools",
     summary="Replace the engine list while running (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def put_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
@@ -133,6 +155,7 @@ async def put_pools(request: Request) -> JSONResponse:
     "/admin/reload",
     summary="Re-read the config (and discovery) file's pools, as SIGHUP does (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def reload_pools(request: Request) -> JSONResponse:
     svc = _svc(request)

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from gateway.api import anthropic_routes, responses_routes
 from gateway.api.auth import read_body, registry, require_admin, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
-from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints
+from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints, unknown_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
 from gateway.protocol import ParsedRequest, parse_body
@@ -91,6 +91,8 @@ async def post_hints(session_id: str, request: Request) -> JSONResponse:
     tenant, sid = _stored_id(request, session_id)
     body = await _json_object(request)
     try:
+        for unknown in unknown_hints({}, {"agent_hints": body}):
+            raise unknown
         hints = parse_hints({}, {"agent_hints": body})
     except HintError as exc:
         raise ApiError(400, str(exc), exc.field.removeprefix("agent_hints."), "invalid_hint") from None

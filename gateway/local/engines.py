@@ -281,19 +281,35 @@ class LocalEngine:
             raise EngineError(f"engine {self.spec.name} was not started")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            code = self._proc.poll()
-            if code is not None:
-                raise EngineError(
-                    f"engine {self.spec.name} exited with code {code} before it was ready; "
-                    f"log {self.spec.log_path}:\n{self.failure_log()}"
-                )
-            if self._answers("/health") and self._answers("/v1/models"):
+            if self.ready_now():
                 return
             time.sleep(_POLL_S)
         raise EngineError(
             f"engine {self.spec.name} was not ready after {timeout_s:.0f} s; "
             f"log {self.spec.log_path}:\n{self.failure_log()}"
         )
+
+    def ready_now(self) -> bool:
+        """Whether /health and /v1/models answer now; EngineError if the process has exited."""
+        if self._proc is None:
+            raise EngineError(f"engine {self.spec.name} was not started")
+        code = self._proc.poll()
+        if code is not None:
+            raise EngineError(
+                f"engine {self.spec.name} exited with code {code} before it was ready; "
+                f"log {self.spec.log_path}:\n{self.failure_log()}"
+            )
+        return self._answers("/health") and self._answers("/v1/models")
+
+    def last_log_line(self) -> str:
+        """The last non-empty line of its log, without vLLM's ``(pid) LEVEL date [file:line]``
+        prefix: what it is doing now, for progress messages."""
+        for line in reversed(self.log_tail(2000).splitlines()):
+            text = line.strip()
+            if text:
+                head, sep, rest = text.partition("] ")
+                return rest.strip() if sep and head.count("[") == 1 else text
+        return ""
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the API server, SIGKILL the process group after `grace_s`, and reap the leader.

@@ -125,7 +125,11 @@ class Placement:
         except NoEngine as exc:
             if exc.reason == "unknown_model":
                 raise ModelNotFound(str(exc)) from None
-            raise NoCapacity(str(exc), self.config.limits.retry_after_s) from None
+            message = str(exc)
+            starting = self.cluster.starting()
+            if starting and not any(self.cluster.ready().values()):  # a gateway started before its engines
+                message += f": engines starting ({', '.join(starting)}); GET /ready says when they are up"
+            raise NoCapacity(message, self.config.limits.retry_after_s) from None
 
     def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
         """Where the session's last prompt is cached. Its hashes are exact when its model has a

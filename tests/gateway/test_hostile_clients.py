@@ -224,8 +224,17 @@ def test_reshape_upstream_error_bodies() -> None:
         assert set(err) == {"message", "type", "param", "code"}
         return err
 
-    openai = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "param": None, "code": 400}})
-    assert reshape_upstream_error(400, openai) == openai
+    # vLLM's OpenAI-like shape, its exception class as the type and the status as the code: the
+    # gateway's type and a string code, the message kept
+    vllm = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "param": None, "code": 400}})
+    assert shaped(400, vllm) == {
+        "message": "m",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    own = {"message": "too long", "type": "invalid_request_error", "param": "input", "code": "too_long"}
+    assert shaped(400, orjson.dumps({"error": own})) == own
     err = shaped(400, b'{"detail": "max_tokens must be at least 1"}')
     assert (err["message"], err["type"], err["code"]) == (
         "max_tokens must be at least 1",
