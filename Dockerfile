@@ -69,6 +69,10 @@ ENTRYPOINT ["python3", "/opt/agentgw/launch.py"]
 
 FROM base AS gateway
 ARG WHEELS_URL
+# nginx: the replicas profile's balancer runs this image (launch.py balancer)
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends nginx-light \
+ && rm -rf /var/lib/apt/lists/*
 RUN pip-install /src && pip uninstall -y agentgw
 COPY gateway /src/gateway
 COPY engine_ext /src/engine_ext

@@ -129,8 +129,9 @@ class AnalysisConfig(_Strict):
     """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
     budget_ms: float = Field(2000.0, gt=0)
     """Longest wait for one analysis; past it the request is routed on the approximate index."""
-    max_backlog: int = Field(16, ge=1)
-    """Requests queued per worker beyond which new ones are routed approximately at once."""
+    max_backlog: int = Field(64, ge=1)
+    """Requests queued per worker beyond which new ones are routed approximately at once (the
+    budget bounds the wait too: a request whose predicted wait exceeds it is not queued)."""
     cache_bytes: int = Field(512 * 1024 * 1024, gt=0)
     """Content-keyed token cache, all workers together (fits a 24 GiB machine beside engines)."""
     session_tokens_bytes: int = Field(64 * 1024 * 1024, gt=0)

@@ -122,7 +122,7 @@ class EngineStartup:
     def _progress(self, pending: list[LocalEngine]) -> str:
         """One line: how long, how many are up, each waiting engine's last log line, the logs."""
         up = len(self.engines) - len(pending)
-        doing = "; ".join(f"{e.spec.name}: {_clip(e.last_log_line())}" for e in pending)
+        doing = "; ".join(f"{e.spec.name}: {_clip(e.last_log_line() or 'starting')}" for e in pending)
         logs = _logs_of(pending)
         return f"engines starting ({self._elapsed()} s, {up} of {len(self.engines)} up; {doing}; logs {logs})"
 

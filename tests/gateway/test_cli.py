@@ -93,7 +93,7 @@ def test_embedded_default_serves_and_sigterm_leaves_no_orphans(tmp_path: Path) -
         ready_in = int(text.split("agentgw: ready in ", 1)[1].split(" s", 1)[0])
         assert f'OpenAI(base_url="{url}/v1"' in text and "agentgw claude" in text and "agentgw codex" in text
         if ready_in >= 11:  # a line at least every 10 s while the engine starts
-            assert "agentgw: engines starting (" in text and "engine0.log" in text, text
+            assert "agentgw: engines starting (" in text and f"{tmp_path / 'home' / 'logs'}" in text, text
         started = descendants(proc.pid)
         assert started, "the engines should be children of the gateway process"
         proc.send_signal(signal.SIGTERM)
