@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import random
+import subprocess
+import sys
 import unicodedata
 from array import array
 from pathlib import Path
@@ -217,6 +220,42 @@ _CHARS = (
 )
 
 
+@pytest.fixture(scope="session")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The C module: the installed one (setup.sh's ``pip install -e`` builds it in place), else
+    built here from the source (a checkout that has not been installed since it was added)."""
+    if fast_bpe._native is not None:
+        return fast_bpe._native
+    out = tmp_path_factory.mktemp("native")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        "setup.py",
+        "-q",
+        "build_ext",
+        "--build-lib",
+        str(out),
+        "--build-temp",
+        str(out / "t"),
+    ]
+    subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    (path,) = out.rglob("_native*.so")
+    spec = importlib.util.spec_from_file_location("gateway.analysis._native", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def with_native(native: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from gateway.analysis import tokenize
+
+    monkeypatch.setattr(fast_bpe, "_native", native)
+    monkeypatch.setattr(tokenize, "_native", native)
+    return native
+
+
 @pytest.fixture(scope="module")
 def tiny_ranks(tiny_llama: Path) -> dict[bytes, int]:
     fast, why = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
@@ -224,9 +263,7 @@ def tiny_ranks(tiny_llama: Path) -> dict[bytes, int]:
     return dict(fast._core._mergeable_ranks)
 
 
-def test_the_c_encoder_is_built_and_used(tiny_llama: Path) -> None:
-    """setup.sh's ``pip install -e`` (and the images' install) compiles it."""
-    assert fast_bpe._native is not None
+def test_the_c_encoder_is_used_when_built(tiny_llama: Path, with_native: Any) -> None:
     fast, _ = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
     assert fast is not None and fast._native is not None
     assert set(fast_bpe.NATIVE_PATTERNS) == {fast_bpe.GPT2_PATTERN, LLAMA3_SPLIT, fast_bpe.QWEN2_PATTERN}
@@ -242,16 +279,16 @@ def test_planes_4_to_13_are_unassigned_in_this_pythons_unicode_data() -> None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.one_of(st.text(st.sampled_from(_CHARS), max_size=300), st.text(max_size=100)))
 def test_the_c_encoder_splits_and_merges_as_tiktokens_core(
-    tiny_ranks: dict[bytes, int], kind: int, text: str
+    tiny_ranks: dict[bytes, int], native: Any, kind: int, text: str
 ) -> None:
     """Every split regex it scans by hand, on text full of the edge cases of those regexes
     (contractions in any case, digit runs, white space runs before words and line breaks,
     unassigned and private-use code points)."""
     pattern = {v: k for k, v in fast_bpe.NATIVE_PATTERNS.items()}[kind]
     core = _core(pattern, tiny_ranks)
-    native = fast_bpe._native.Encoder(tiny_ranks, kind, fast_bpe._classes())
+    encoder = native.Encoder(tiny_ranks, kind, fast_bpe._classes())
     try:
-        got = native.encode(text)
+        got = encoder.encode(text)
     except ValueError:  # unassigned in Python's Unicode data, or a lone surrogate: refused
         assume(False)
     assert got == core.encode_ordinary(text)
@@ -274,7 +311,7 @@ def _core(pattern: str, ranks: dict[bytes, int]) -> Any:
     return _core_cached(pattern, id(ranks))
 
 
-def test_a_qwen2_style_split_tokenizer_encodes_identically(tmp_path: Path) -> None:
+def test_a_qwen2_style_split_tokenizer_encodes_identically(tmp_path: Path, with_native: Any) -> None:
     pre = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(fast_bpe.QWEN2_PATTERN), behavior="isolated", invert=False),
@@ -286,7 +323,7 @@ def test_a_qwen2_style_split_tokenizer_encodes_identically(tmp_path: Path) -> No
     assert fast._native is not None
 
 
-def test_a_text_the_c_encoder_refuses_goes_to_tiktoken(tiny_llama: Path) -> None:
+def test_a_text_the_c_encoder_refuses_goes_to_tiktoken(tiny_llama: Path, with_native: Any) -> None:
     fast, _ = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
     assert fast is not None
     hf = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
@@ -308,17 +345,17 @@ def test_a_text_the_c_encoder_refuses_goes_to_tiktoken(tiny_llama: Path) -> None
     cut=st.tuples(st.integers(0, 300), st.integers(0, 300)),
 )
 def test_cbor_block_is_cbor2s_canonical_encoding(
-    tokens: list[int], parent: bytes, salt: str | None, cut: tuple[int, int]
+    native: Any, tokens: list[int], parent: bytes, salt: str | None, cut: tuple[int, int]
 ) -> None:
     arr = array("i", tokens)
     start, end = sorted(min(c, len(tokens)) for c in cut)
     extra = (salt,) if salt is not None else None
     want = cbor2.dumps((parent, tuple(tokens[start:end]), extra), canonical=True)
-    assert fast_bpe._native.cbor_block(parent, arr, start, end, cbor2.dumps(extra, canonical=True)) == want
+    assert native.cbor_block(parent, arr, start, end, cbor2.dumps(extra, canonical=True)) == want
 
 
 def test_without_the_c_module_the_answers_are_the_same(
-    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, with_native: Any
 ) -> None:
     """The fallback when the extension is not built: tiktoken's core and cbor2."""
     from gateway.analysis import tokenize
