@@ -1,4 +1,4 @@
-# Sourced by scripts/setup.sh (not run). Needs LOGS (the folder for the logs); EVERY (seconds
+# Sourced by scripts/setup.sh and scripts/bench-setup.sh (not run). Needs LOGS (the folder for the logs); EVERY (seconds
 # between progress lines, default 10) and STEP_PREFIX (default "setup") may be set.
 #
 # step NAME WHAT CMD...: run CMD with its output in $LOGS/setup-NAME.log, saying every $EVERY s

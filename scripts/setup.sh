@@ -43,6 +43,11 @@ AGENTGW_HOME=${AGENTGW_HOME:-$HOME/.cache/agentgw}
 LOGS=$AGENTGW_HOME/logs
 SUDO=""
 if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
+# pip (before 24.2, as in a fresh Debian venv) trusts only its bundled CAs: trust the system's
+# too, so a TLS-inspecting proxy whose CA the system trusts works (Node: NODE_EXTRA_CA_CERTS below)
+if [ -z "${PIP_CERT:-}" ] && [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  export PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+fi
 
 # ---- what each part needs: "kind name" lines, kept when missing ----
 PY=${PYTHON:-python3}

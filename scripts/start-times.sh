@@ -8,8 +8,9 @@
 #
 # The container's pip has no configuration but the host pip's find-links folder, mounted read-only
 # when there is one (AGENTGW_FIND_LINKS overrides; on the development machine it holds torch's
-# CPU wheel, since PyTorch's index is not reachable from it): everything else comes from PyPI and
-# Debian's mirror, into empty caches.
+# CPU wheel, since PyTorch's index is not reachable from it), and its system CA store gets the
+# host's bundle (the development machine reaches PyPI through a TLS-inspecting proxy): everything
+# else comes from PyPI and Debian's mirror, into empty caches.
 # Starts dockerd when no daemon answers and builds the base image with debootstrap when it is
 # missing (scripts/docker-lib.sh, as compose-check does); the container uses the host's network.
 # Prints, per run, the seconds to the first answered chat completion, the longest silence of
@@ -39,6 +40,11 @@ git clone -q . "$src/agentgw"  # a fresh clone of HEAD: nothing git ignores come
 links=${AGENTGW_FIND_LINKS-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}
 mounts=()
 if [ -n "$links" ] && [ -d "$links" ]; then mounts=(-v "$links:$links:ro" -e "PIP_FIND_LINKS=$links"); fi
+# the host's CA bundle joins the container's system store when its ca-certificates package is
+# installed (a network whose TLS-inspecting proxy this host trusts: a machine set up for it)
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  mounts+=(-v /etc/ssl/certs/ca-certificates.crt:/usr/local/share/ca-certificates/agentgw-host.crt:ro)
+fi
 log "cold and warm runs of ./scripts/run.sh in a fresh $BASE_IMAGE container (port $port; pip find-links: ${links:-none})"
 docker run --rm --network host --shm-size 4g -e PORT="$port" "${mounts[@]}" -v "$src/agentgw:/src:ro" "$BASE_IMAGE" bash -c '
 set -u
