@@ -83,3 +83,14 @@ def test_prompt_analysis_is_one_package_behind_one_interface() -> None:
             continue
         bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports(f) if m.startswith("gateway.analysis.")]
     assert bad == []
+
+
+def test_only_the_transport_imports_aiohttp() -> None:
+    """One HTTP client API (httpx's) everywhere; aiohttp is the transport under it, in one module."""
+    bad = [
+        f"{f.relative_to(ROOT)}"
+        for f in ROOT.rglob("*.py")
+        if f != ROOT / "service" / "proxy.py"
+        and any(m == "aiohttp" or m.startswith("aiohttp.") for m in imports(f))
+    ]
+    assert bad == []

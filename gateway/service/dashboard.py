@@ -358,8 +358,8 @@ async def dashboard_state(
             # the approximate index holds text chunks (~4 characters a token) unless the model is
             # tokenized (exact hashes without KV events)
             approx_bs = bs if service.prompts.exact_for(model) else max(1, chunk_chars // 4)
-            exact = _held_by_medium(service.placement.indexes[IndexKind.PRECISE], name)
-            approx = _held_by_medium(service.placement.indexes[IndexKind.APPROX], name)
+            exact = _held_by_medium(service.placement.core.indexes[IndexKind.PRECISE], name)
+            approx = _held_by_medium(service.placement.core.indexes[IndexKind.APPROX], name)
             tiers = {k: exact[k] * bs + approx[k] * approx_bs for k in exact}
             engines.append(
                 {

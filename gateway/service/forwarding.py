@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 import orjson
-from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, AgentHints
@@ -29,7 +28,7 @@ from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, Upstream
+from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 
 __all__ = ["Forwarder", "Relay"]
 
@@ -68,9 +67,7 @@ anything an engine might act on (``X-data-parallel-rank``) stay at the gateway."
 def _refused(exc: BaseException) -> bool:
     """Did the engine refuse the connection (nothing listens)? A timeout, a reset or a closed
     keep-alive connection does not say so."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return isinstance(exc.os_error, ConnectionRefusedError)
-    return not isinstance(exc, (TimeoutError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+    return isinstance(exc, ConnectionRefused)
 
 
 @dataclass(slots=True)
@@ -79,7 +76,7 @@ class Relay:
 
     engine: str
     pool: str
-    response: aiohttp.ClientResponse
+    response: httpx.Response
     retried: bool
     cluster: Cluster | None = None
     ticket: Ticket | None = None
@@ -89,14 +86,15 @@ class Relay:
 
     @property
     def status(self) -> int:
-        return self.response.status
+        return self.response.status_code
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The engine's response headers worth relaying (lowercase names)."""
-        return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
+        return [(k.lower(), v) for k, v in self.response.headers.raw if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        return self._first_then(self.response.content.iter_any())
+        """The body as it arrives (raises ``httpx.TransportError`` when the engine fails)."""
+        return self._first_then(aiter(self.response.stream))  # type: ignore[arg-type]
 
     async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         keep = self.tail.append
@@ -120,15 +118,12 @@ class Relay:
             self.cluster.finished(self.ticket)
 
     async def read(self) -> bytes:
-        return await self.response.read()
+        return await self.response.aread()
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         """Return a fully read connection to the pool; drop one that is mid-response (the client
         went away), which makes vLLM abort the request."""
-        if self.response.content.at_eof():
-            self.response.release()
-        else:
-            self.response.close()
+        await self.response.aclose()
 
 
 class Forwarder:
@@ -140,7 +135,9 @@ class Forwarder:
         self.cluster = cluster
         self.metrics = metrics
         t = config.timeouts
-        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.inter_chunk_s)
+        self._stream_timeout = {"connect": t.connect_s, "read": t.inter_chunk_s, "pool": t.connect_s}
+        self._whole_timeout = upstream.timeout.as_dict()
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
 
     @staticmethod
     def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -207,8 +204,7 @@ class Forwarder:
         again on the same engine (``LAG_RETRIES``). A streamed response may then fall silent
         for ``inter_chunk_s`` at most, a non-streamed one for ``read_s``."""
         t = self.config.timeouts
-        timeout = self._stream_timeout if stream else self.upstream.timeout
-        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        timeout = self._stream_timeout if stream else self._whole_timeout
         last: BaseException | None = None
         lag_retries = 0
         tried: set[str] = set()
@@ -224,17 +220,22 @@ class Forwarder:
             uncached = decision.uncached_tokens + (decision.cached_tokens if fallback else 0)
             ticket = self.cluster.sent(name, uncached, decision.cached_tokens + decision.uncached_tokens)
             try:
+                request = httpx.Request(
+                    "POST",
+                    self._url(state.config.url, path),
+                    content=body,
+                    headers=headers,
+                    extensions={"timeout": timeout},
+                )
                 async with asyncio.timeout(t.first_byte_s):
-                    response = await self.upstream.session.post(
-                        state.config.url + path, data=body, headers=hdrs, timeout=timeout
-                    )
+                    response = await self.upstream.send(request)
             except CONNECT_ERRORS as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
                 # a timeout may be the gateway's own lag; a refusal or a reset is the engine's
                 excused = self.cluster.record_connect_failure(name, _timeout_s(exc, t), refused=_refused(exc))
                 last = exc
-                if excused and isinstance(exc, aiohttp.ConnectionTimeoutError):
+                if excused and isinstance(exc, httpx.ConnectTimeout):
                     # nothing was sent: the same engine again, once the loop catches up
                     self.metrics.upstream_errors.labels(name, "connect_lag").inc()
                     if lag_retries < LAG_RETRIES:
@@ -254,7 +255,7 @@ class Forwarder:
                     if nxt is not None:
                         tries.append(nxt)
                 continue
-            except aiohttp.ClientError as exc:
+            except httpx.TransportError as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
@@ -274,20 +275,25 @@ class Forwarder:
                 return f
         return None
 
+    def _url(self, base: str, path: str) -> httpx.URL:
+        """An engine's URL for ``path`` (parsed once: a measurable cost per request)."""
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) >= 1024:
+                self._urls.clear()
+            url = self._urls[(base, path)] = httpx.URL(base + path)
+        return url
+
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         """One whole request to one engine (no retry: the caller chose the engine for a reason)."""
         state = self.cluster.engines[engine]
         self.cluster.begin(engine)
         try:
-            async with self.upstream.session.request(
-                method,
-                state.config.url + path,
-                data=body,
-                headers={"content-type": "application/json"},
-                timeout=self.upstream.timeout,
-            ) as r:
-                return r.status, await r.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            r = await self.upstream.http.request(
+                method, state.config.url + path, content=body, headers={"content-type": "application/json"}
+            )
+            return r.status_code, r.content
+        except (httpx.HTTPError, TimeoutError) as exc:
             self.metrics.upstream_errors.labels(engine, type(exc).__name__).inc()
             raise UpstreamFailed(
                 f"engine '{engine}' failed: {exc!r}", isinstance(exc, CONNECT_ERRORS)
@@ -320,7 +326,7 @@ LAG_RETRIES = 3
 
 def _timeout_s(exc: BaseException, t: TimeoutsConfig) -> float | None:
     """The limit a connect-phase timeout ran out of; None for a refusal or a reset."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, httpx.ConnectTimeout):
         return t.connect_s
     if isinstance(exc, TimeoutError):
         return t.first_byte_s
