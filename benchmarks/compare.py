@@ -76,7 +76,7 @@ from benchmarks.sim.tiers import DEFAULT_KV_BYTES_PER_TOKEN, TiersConfig
 from benchmarks.sim.traces import Play, load_mooncake, load_weka, synth_agentx
 from gateway.core.planner import PlannerParams
 from gateway.core.roles import RoleParams
-from gateway.core.router import RoutingParams
+from gateway.core.router import RoutingParams, engine_cost
 
 POLICIES = (
     "round_robin",
@@ -136,6 +136,7 @@ def run_one(
     weights: dict[str, float] | None = None,
     routing_overrides: dict[str, float] | None = None,
     load_view: str = "gateway",
+    planner_overrides: dict[str, float] | None = None,
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
     eng = ENGINES[engine]()
@@ -148,9 +149,6 @@ def run_one(
         tiers = tiers or TiersConfig()
         kvb = eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
         tiers = replace(tiers, kv_bytes_per_token=kvb)
-        planner = SimMigrations(
-            PlannerParams(kv_bytes_per_token=kvb, move_bytes_per_s=tiers.store_gbps * 1e9)
-        )
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
@@ -164,6 +162,29 @@ def run_one(
         routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
     if "noknee" in flags:
         routing = replace(routing, interactivity_tok_s=0.0)
+    if "kneefree" in flags:  # the arrival-time knee move as first built: not priced
+        routing = replace(routing, knee_output_tokens=0)
+    if "noaff" in flags:
+        routing = replace(routing, cold_home_no_affinity=False)
+    if "nospread" in flags:
+        routing = replace(routing, new_session_load=False)
+    if "planner" in flags:
+        assert tiers is not None
+        knee = (
+            engine_cost(routing).decode_knee(routing.interactivity_tok_s)
+            if routing.interactivity_tok_s
+            else 1.0
+        )
+        pp = PlannerParams(
+            kv_bytes_per_token=tiers.kv_bytes_per_token,
+            move_bytes_per_s=tiers.store_gbps * 1e9,
+            knee_kv_share=1.0 if "noahead" in flags else knee,
+        )
+        if "nodemote" in flags:
+            pp = replace(pp, demote_after_s=float("inf"))
+        if planner_overrides:
+            pp = replace(pp, **planner_overrides)  # type: ignore[arg-type]
+        planner = SimMigrations(pp, device_pins="nopins" not in flags)
     if first_turn_threshold is not None:
         routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
@@ -171,6 +192,7 @@ def run_one(
         engine=eng,
         profile=profile,
         hints="hints" in flags,
+        tool_latency_hint="nolat" not in flags,
         lanes=lanes,
         speedup=speedup,
         label=policy,
@@ -473,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--interference-weight", type=float, default=2.0, help="+intf policies")
     ap.add_argument("--weights", default="", help="scorer weights of agentic, e.g. kv_usage=2,queue=1")
     ap.add_argument("--routing", default="", help="RoutingParams numbers, e.g. sticky_max_queue=4")
+    ap.add_argument("--planner", default="", help="PlannerParams numbers of +planner runs, e.g. turn_s=20")
     ap.add_argument("--slo-tok-s", type=float, default=None, help="default 50 (40 for the AIC H200)")
     ap.add_argument("--tiers", choices=("auto", "on", "off"), default="auto", help="host tier + store")
     ap.add_argument("--host-blocks", type=int, default=TiersConfig().host_blocks, help="host tier per engine")
@@ -525,6 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "interference_weight": args.interference_weight,
         "weights": {k: float(v) for k, v in (kv.split("=") for kv in args.weights.split(",") if kv)},
         "load_view": args.load_view,
+        "planner_overrides": {
+            k: float(v) if "." in v else int(v)
+            for k, v in (kv.split("=") for kv in args.planner.split(",") if kv)
+        },
         "routing_overrides": {
             "interactivity_tok_s": slo_tok_s,
             **{

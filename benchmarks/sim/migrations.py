@@ -1,12 +1,13 @@
-"""The inter-turn planner in the simulator: the real :func:`gateway.core.planner.plan_after_turn`,
-executed the way ``gateway/service/migrations.py`` executes it, in virtual time.
+"""The inter-turn planner in the simulator: the real :func:`gateway.core.planner.plan_turn` (with
+its move state, and the home ledger's projection of each engine's decode KV at the expected
+return), executed the way ``gateway/service/migrations.py`` executes it, in virtual time.
 
 - **When** (``GatewayService._settle`` / ``after_turn``): after each completed request of a
   session (hints on), with the engines' views, the prefix-index matches of the session's last
   prompt hashes and the gap: the hinted tool latency (the trace's recorded think time before the
-  session's next request, divided by the speed-up: an exact hint), else the session's median
-  observed gap, else ``default_gap_s``. The last request of a stream ends the session
-  (``end_session``: cancel what is pending, ``release``).
+  session's next request, divided by the speed-up: an exact hint; ``SimConfig.tool_latency_hint``
+  False withholds it), else the session's median observed gap, else ``default_gap_s``. The last
+  request of a stream ends the session (``end_session``: cancel what is pending, ``release``).
 - **Pins** (engine_ext): every session turn pins the session's blocks in its engine's host tier for
   ``min(gap + pin_margin_s, max_pin_s)`` (the gateway forwards that pin in
   ``kv_transfer_params.agentgw``); ``stay`` also soft-pins them in the home's device cache for the
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from benchmarks.sim.engine import Seq
-from gateway.core.planner import ActionKind, PlanAction, PlannerParams, TurnOutcome, plan_after_turn
+from gateway.core.planner import ActionKind, MoveState, PlanAction, PlannerParams, TurnOutcome, plan_turn
 from gateway.core.types import Decision
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class SimMigrations:
         self.slack_s: list[float] = []
         """For completed moves: gap until the next turn minus the prefetch time."""
         self._moved: dict[str, float] = {}
+        self.moves = MoveState()
+        """The planner's move bounds (in flight per engine, rate, dwell), as the core returns it."""
 
     # -- the hook ------------------------------------------------------------------------------
     def _next_idx(self, sim: Simulator, play_id: str, idx: int) -> int:
@@ -115,7 +118,7 @@ class SimMigrations:
             self.cancel(sim, sid, "session_end")
             self._execute(sim, PlanAction(ActionKind.RELEASE, sid, record.engine, reason="session_end"), [])
             return
-        if sim.cfg.hints:
+        if sim.cfg.hints and sim.cfg.tool_latency_hint:
             gap = sim.plays[record.play].requests[nxt].gap_s / sim.cfg.speedup
         else:
             g = srec.expected_gap()
@@ -125,17 +128,26 @@ class SimMigrations:
         if sim.tiers is not None:
             sim.tiers.pin_host(record.engine, hashes, now + min(gap + p.pin_margin_s, p.max_pin_s))
             self._pins.setdefault(sid, set()).add((record.engine, False))
+        ctx = srec.context_tokens
         turn = TurnOutcome(
             session_id=sid,
             home=record.engine,
-            context_tokens=srec.context_tokens,
+            context_tokens=ctx,
             gap_s=gap,
             fan_out=record.fan_out,
             is_subagent=srec.parent is not None,
             block_size=sim.cfg.engine.block_size,
+            next_tokens=sim.homes.next_tokens(sid),
         )
-        action = plan_after_turn(turn, sim.views(), sim.index.match(hashes), p)
-        self.submit(sim, action, hashes)
+        sim.homes.expect(sid, now + gap)
+        expected = sim.homes.expected_at(now + gap, p.turn_s, exclude=sid)
+        self.cancel(sim, sid, "new_plan")
+        self.current.pop(sid, None)
+        action, self.moves = plan_turn(
+            turn, sim.views(), sim.index.match(hashes), p, self.moves, now, expected
+        )
+        if self._execute(sim, action, hashes) is None:
+            self.moves = self.moves.finished(sid)
 
     def on_next_turn(self, sim: Simulator, session_id: str, decision: Decision, play: str, idx: int) -> None:
         self.cancel(sim, session_id, "next_turn_arrived")
@@ -168,6 +180,7 @@ class SimMigrations:
             return
         m.state = "done"
         a = m.action
+        self.moves = self.moves.finished(a.session_id)
         self.stats[f"{a.kind.value}_done"] += 1
         if a.kind == ActionKind.MOVE:
             self._rehome(sim, a.session_id, a.source, a.targets[0])
@@ -224,6 +237,7 @@ class SimMigrations:
         if m is None or m.state != "running":
             return False
         m.state = "cancelled"
+        self.moves = self.moves.finished(session_id)
         self.stats[f"{m.action.kind.value}_cancelled"] += 1
         self.stats[f"cancelled:{reason}"] += 1
         for t, seq in m.pending.items():
@@ -243,6 +257,7 @@ class SimMigrations:
         rec.home = target
         rec.pool = sim.pool_of(target)
         sim.sessions.put(rec)
+        sim.homes.moved(sid, target)
         sim.migrations += 1
         self._moved[sid] = sim.now
 

@@ -69,6 +69,13 @@ class RoutingParams:
     against the home's), for fleets where TTFT matters more than decode speed. 0: any move (the
     default: on the Weka dev trace every budget tried, 1-5 s, lost capacity at the SLO;
     docs/benchmarks_sim.md)."""
+    knee_output_tokens: int = 100
+    """A ``kv_balance`` move is made only when the decode time it saves over this many output
+    tokens (the decode step beyond ``1000 / interactivity_tok_s`` ms, at home less at the target)
+    exceeds the TTFT its reload adds (from the cost model: the context the target lacks at
+    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. 100 rather than AgentX's median
+    output (444): with the planner moving sessions during their gaps, 444 doubled the p99 TTFT on
+    the AgentX-shaped plays in the simulator (docs/benchmarks_sim.md)."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     cold_home_no_affinity: bool = True
@@ -166,6 +173,9 @@ def _agentic(p: RoutingParams) -> Profile:
             move_max_s=p.knee_move_max_s or float("inf"),
             affinity_weight=_w(p, "session_affinity", 2.0) if p.cold_home_no_affinity else 0.0,
             spread_new=p.new_session_load,
+            cost=engine_cost(p),
+            knee_output_tokens=p.knee_output_tokens,
+            slo_step_ms=1000.0 / p.interactivity_tok_s if p.interactivity_tok_s > 0 else 0.0,
         ),
     )
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from gateway.config import GatewayConfig
 from gateway.core import turn as pipeline
 from gateway.core.hints import AgentHints
-from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
+from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_turn, with_knee
 from gateway.core.prefix_index import PrefixIndex
-from gateway.core.router import NoEngine, Router
+from gateway.core.router import NoEngine, Router, engine_cost
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
@@ -81,6 +81,11 @@ class Placement:
         self.siblings = Siblings()
         self.homes = HomeLedger()
         self.owners = ResponseOwners(sessions, clock)
+        rp = router.params
+        knee = engine_cost(rp).decode_knee(rp.interactivity_tok_s) if rp.interactivity_tok_s > 0 else 1.0
+        self.planner_params = with_knee(migrations.params, knee)
+        migrations.on_rehome = self.homes.moved
+        """The planner's parameters with the router's decode knee (``knee_ahead`` moves)."""
 
     @property
     def index(self) -> PrefixIndex:
@@ -201,22 +206,33 @@ class Placement:
         """Plan where the session's KV should be for its next turn, and start doing it."""
         if not self.migrations.controllable(engine):
             return None
+        sid, now = rec.session_id, self.clock()
+        gap = self.expected_gap(hints, rec)
         outcome = TurnOutcome(
-            session_id=rec.session_id,
+            session_id=sid,
             home=engine,
             context_tokens=rec.context_tokens,
-            gap_s=self.expected_gap(hints, rec),
+            gap_s=gap,
             fan_out=hints.fan_out or 0,
             is_subagent=hints.is_subagent,
             block_size=self.prompts.block_size(model),
+            next_tokens=self.homes.next_tokens(sid),
         )
-        action = plan_after_turn(
+        params = self.planner_params
+        self.homes.expect(sid, now + gap)
+        expected = self.homes.expected_at(now + gap, params.turn_s, exclude=sid)
+        self.migrations.cancel(sid, reason="new_plan")  # before planning: its move bounds are freed
+        action, self.migrations.moves = plan_turn(
             outcome,
-            self.cluster.views(),
+            self._views(now),
             self.indexes[index].match(rec.prefix_hashes),
-            self.migrations.params,
+            params,
+            self.migrations.moves,
+            now,
+            expected,
         )
-        self.migrations.submit(action, self.prompts.session_tokens(rec.session_id))
+        if self.migrations.submit(action, self.prompts.session_tokens(sid)) is None:
+            self.migrations.moves = self.migrations.moves.finished(sid)
         return action
 
     async def end_session(self, session_id: str) -> SessionRecord | None:
