@@ -467,12 +467,106 @@ def load_trace(kind: str, path: str | None, n: int, seed: int = 0) -> list[Play]
     return synth_agentx(n or 48, seed=seed)
 
 
+#: The plays of each seed, per process (a seed grid's workers load each seed once).
+_SEED_PLAYS: dict[tuple[int, int], tuple[list[Play], dict[tuple[str, int], int]]] = {}
+
+
+def _seed_run(task: tuple[int, int, str, int, int, float, str, dict[str, Any]]) -> dict[str, Any]:
+    """One (seed, policy, config) of a seed grid: its metrics and its moved sessions' next turns."""
+    seed, n, policy, workers, lanes, speedup, engine, extra = task
+    if (seed, n) not in _SEED_PLAYS:
+        plays = synth_agentx(n, seed=seed)
+        _SEED_PLAYS[(seed, n)] = (plays, ideal_hits_by_request(plays))
+    plays, ideal = _SEED_PLAYS[(seed, n)]
+    m, _ = run_one(plays, ideal, policy, workers, lanes, speedup, engine, **extra)
+    sim = LAST_SIMS.pop(policy)
+    row: dict[str, Any] = {"seed": seed, **m.as_dict()}
+    mig = sim.planner
+    if isinstance(mig, SimMigrations):
+        keys = set(mig.moved_next)
+        ttft = [(r.t_first - r.t_arrive) * 1000.0 for r in sim.records if (r.play, r.idx) in keys]
+        row["moves"] = {k: v for k, v in mig.actions.items() if k.startswith("move")}
+        row["moved_next_turns"] = len(ttft)
+        row["moved_next_ttft_p50_ms"] = percentile(ttft, 50) if ttft else float("nan")
+        row["moved_next_ttft_p90_ms"] = percentile(ttft, 90) if ttft else float("nan")
+    return row
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(x for x in xs if x == x)
+    if not ys:
+        return float("nan")
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else (ys[k - 1] + ys[k]) / 2
+
+
+def seed_grid(
+    seeds: Sequence[int],
+    n: int,
+    policies: Sequence[str],
+    configs: Sequence[str],
+    engine: str,
+    extra: dict[str, Any],
+    jobs: int,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every (config, policy) on the synthetic plays of each seed; prints, per config, the median
+    over the seeds of each column (every policy sees the same plays of a seed in the same run)."""
+    tasks = [
+        (seed, n, policy, *parse_config(config), engine, extra)
+        for config in configs
+        for policy in policies
+        for seed in seeds
+    ]
+    if jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            rows = pool.map(_seed_run, tasks, chunksize=1)
+    else:
+        rows = [_seed_run(t) for t in tasks]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    it = iter(rows)
+    cols = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "interactivity_p90", "tpgs", "migrations")
+    moved = ("moved_next_turns", "moved_next_ttft_p50_ms", "moved_next_ttft_p90_ms")
+    for config in configs:
+        w, lanes, sp = parse_config(config)
+        head = (
+            f"{'policy':<32} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'P90 tok/s':>9} {'TPGS':>6} "
+            f"{'moves':>5} {'moved next':>10} {'its p50':>7} {'its p90':>7}"
+        )
+        print(f"\n== {config}: {w} workers, {lanes} lanes, speed-up {sp:g}; median of seeds {list(seeds)} ==")
+        print(head)
+        print("-" * len(head))
+        out[config] = {}
+        for policy in policies:
+            per_seed = [next(it) for _ in seeds]
+            med = {c: _median([float(r[c]) for r in per_seed]) for c in cols}
+            med.update({c: _median([float(r.get(c, float("nan"))) for r in per_seed]) for c in moved})
+            out[config][policy] = {"median": med, "seeds": per_seed}
+            mv = (
+                ""
+                if med["moved_next_turns"] != med["moved_next_turns"]
+                else f"{med['moved_next_turns']:>10.0f}"
+            )
+            print(
+                f"{policy:<32} {med['ttft_p50_ms']:>9.0f} {med['ttft_p90_ms']:>7.0f} {med['ttft_p99_ms']:>7.0f} "
+                f"{med['interactivity_p90']:>9.1f} {med['tpgs']:>6.0f} {med['migrations']:>5.0f} {mv:>10} "
+                f"{med['moved_next_ttft_p50_ms']:>7.0f} {med['moved_next_ttft_p90_ms']:>7.0f}",
+                flush=True,
+            )
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", choices=("weka", "mooncake", "synth"), default="weka")
     ap.add_argument("--trace-path", default=None, help="default: shared/traces/<kind>")
     ap.add_argument("--n", type=int, default=0, help="synth: plays; mooncake: first N requests")
     ap.add_argument("--seed", type=int, default=0, help="synth: the generator's seed")
+    ap.add_argument(
+        "--seeds", default="", help="synth: run every config and policy on each seed, print the medians"
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="--seeds: simulations run in parallel")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="dynamo-mocker")
     ap.add_argument("--configs", default=",".join(ANCHOR_CONFIGS), help="WORKERSxLANESxSPEEDUP,...")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -517,13 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    plays = load_trace(args.trace, args.trace_path, args.n, args.seed)
+    plays = load_trace(args.trace, args.trace_path, args.n, args.seed) if not args.seeds else []
     ideal = ideal_hits_by_request(plays)
-    print(
-        f"trace {args.trace}: {len(plays)} plays, {sum(len(p.requests) for p in plays)} requests; "
-        f"engine {args.engine}; loaded in {time.perf_counter() - t_start:.1f}s",
-        flush=True,
-    )
+    if plays:
+        print(
+            f"trace {args.trace}: {len(plays)} plays, {sum(len(p.requests) for p in plays)} requests; "
+            f"engine {args.engine}; loaded in {time.perf_counter() - t_start:.1f}s",
+            flush=True,
+        )
     policies = [p for p in args.policies.split(",") if p]
     configs = [c for c in args.configs.split(",") if c]
     tiers_on = args.tiers == "on" or (args.tiers == "auto" and any("+planner" in p for p in policies))
@@ -560,6 +655,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
         },
     }
+    if args.seeds:
+        if args.trace != "synth":
+            ap.error("--seeds needs --trace synth")
+        seeds = [int(x) for x in args.seeds.split(",") if x]
+        grid = seed_grid(seeds, args.n or 48, policies, configs, args.engine, extra, args.jobs)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "seeds.json").write_text(
+            json.dumps({"engine": args.engine, "seeds": seeds, "runs": grid}, indent=1)
+        )
+        print(f"\nwrote {out / 'seeds.json'}; total wall time {time.perf_counter() - t_start:.1f}s")
+        return 0
     lanes_open = args.trace == "mooncake"
     sweep_lanes = [int(x) for x in args.sweep_lanes.split(",") if x] if not args.no_sweep else []
     sw, _, ssp = parse_config(args.sweep_config)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.core.planner import ActionKind, PlanAction
+from gateway.core.planner import ActionKind, MoveState, PlanAction, PlannerParams
 from gateway.core.sessions import SessionRecord
 from gateway.service import migrations as migrations_module
 from gateway.service.cluster import Cluster
@@ -155,4 +155,34 @@ async def test_a_replaced_migration_never_drops_its_successor(
         ("cancelled", "new_plan"),
         ("cancelled", "session_end"),
     ]
+    control.release.set()
+
+
+async def test_a_knee_ahead_move_rehomes_then_releases_its_move_bounds(
+    executor: MigrationExecutor, control: ControlApi
+) -> None:
+    """The move state the core returns is kept by the executor: a completed move re-homes the
+    session (the placement's home ledger follows through ``on_rehome``) and frees its bounds; a
+    cancelled one frees them too."""
+    params = PlannerParams()
+    followed: list[tuple[str, str]] = []
+    executor.on_rehome = lambda sid, engine: followed.append((sid, engine))
+    for sid in ("s1", "s2"):
+        await executor.sessions.put(SessionRecord(sid, created=0.0, last_activity=0.0, home="b", pool="warm"))
+    executor.moves = MoveState().started("s1", "b", "a", 0.0, params, 1000)
+    executor.submit(PlanAction(ActionKind.MOVE, "s1", "b", ("a",), pin_ttl_s=30, reason="knee_ahead"), [1, 2])
+    await settle(executor)
+    rec = await executor.sessions.get("s1", 0.0)
+    assert rec is not None and rec.home == "a"
+    assert followed == [("s1", "a")]
+    assert executor.moves.inflight == {} and dict(executor.moves.active) == {}
+    assert executor.moves.moved_at == {"s1": 0.0}  # the dwell remembers it
+    control.release.clear()
+    executor.moves = executor.moves.started("s2", "b", "a", 1.0, params, 1000)
+    executor.submit(PlanAction(ActionKind.MOVE, "s2", "b", ("a",), pin_ttl_s=30, reason="knee_ahead"), [1, 2])
+    await asyncio.sleep(0.01)
+    assert executor.moves.inflight == {"s2": ("b", "a", 1000)}
+    assert executor.cancel("s2", reason="next_turn_arrived")
+    assert executor.moves.inflight == {} and dict(executor.moves.active) == {}
+    assert followed == [("s1", "a")]  # no re-home for a cancelled move
     control.release.set()
