@@ -32,8 +32,17 @@ decoding count and prefill backlog (``--load-view engine`` for every policy) whe
 what the live gateway's load ledger knows (``--load-view gateway``: prefilling from dispatch to
 first token with the decision's uncached tokens, then decoding); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
-(:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
-(what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
+(:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins, and the ``knee_ahead`` moves during
+the tool gap); ``+recompute`` runs without KV tiers (what is not on the device is recomputed).
+Mechanisms off one at a time: ``+noahead`` (no ``knee_ahead`` moves), ``+kneefree`` (the
+arrival-time knee move not priced: ``knee_output_tokens`` 0), ``+ovffree`` (the ``kv_overflow``
+move not priced), ``+nopins`` (no device soft pins), ``+nodemote`` (no demotion on long gaps),
+``+noaff`` (a cold home keeps its affinity bonus), ``+nospread`` (a new session follows the
+shared prefix whatever the queue); ``+nolat`` withholds the tool-latency hint (the gateway
+predicts each gap from the session's observed gaps). ``--seeds 1,2,3`` (synthetic plays) runs
+every configuration and policy on each seed's plays and prints the median of each column, with
+the moves executed and the TTFT of the turns that followed them; ``--jobs`` runs them in
+parallel. ``--tiers auto`` (default) gives every other policy a
 host tier per engine and a shared store (:mod:`benchmarks.sim.tiers`) when a ``+planner`` policy
 is in the run, else none; ``--pools F+W`` splits the workers into a first-turn and a warm pool.
 With a ``+planner`` policy, a second table compares the *moved sessions' next turns* (the turns
@@ -164,6 +173,8 @@ def run_one(
         routing = replace(routing, interactivity_tok_s=0.0)
     if "kneefree" in flags:  # the arrival-time knee move as first built: not priced
         routing = replace(routing, knee_output_tokens=0)
+    if "ovffree" in flags:  # the kv_overflow move as first built: not priced
+        routing = replace(routing, overflow_wait_tokens=0)
     if "noaff" in flags:
         routing = replace(routing, cold_home_no_affinity=False)
     if "nospread" in flags:

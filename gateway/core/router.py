@@ -69,13 +69,19 @@ class RoutingParams:
     against the home's), for fleets where TTFT matters more than decode speed. 0: any move (the
     default: on the Weka dev trace every budget tried, 1-5 s, lost capacity at the SLO;
     docs/benchmarks_sim.md)."""
-    knee_output_tokens: int = 100
+    knee_output_tokens: int = 30
     """A ``kv_balance`` move is made only when the decode time it saves over this many output
     tokens (the decode step beyond ``1000 / interactivity_tok_s`` ms, at home less at the target)
     exceeds the TTFT its reload adds (from the cost model: the context the target lacks at
-    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. 100 rather than AgentX's median
-    output (444): with the planner moving sessions during their gaps, 444 doubled the p99 TTFT on
-    the AgentX-shaped plays in the simulator (docs/benchmarks_sim.md)."""
+    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. 30 rather than AgentX's median
+    output (444): with the planner moving sessions during their gaps, arrival-time moves are the
+    ones it missed, and on the AgentX-shaped plays in the simulator 444 (and 100) gave a higher
+    p90 TTFT than ``precise_prefix`` at 16-24 lanes (docs/benchmarks_sim.md)."""
+    overflow_wait_tokens: int = 222
+    """A ``kv_overflow`` move (the home cannot hold the turn) is made only when reloading what the
+    target lacks (at ``move_bytes_per_s``) takes less than this many decode steps at home: the
+    wait for room to free there, about half of AgentX's median output. 0: always move. On the
+    AgentX-shaped plays at 32 lanes in the simulator: p99 TTFT 25 s -> 11 s."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     cold_home_no_affinity: bool = True
@@ -176,6 +182,7 @@ def _agentic(p: RoutingParams) -> Profile:
             cost=engine_cost(p),
             knee_output_tokens=p.knee_output_tokens,
             slo_step_ms=1000.0 / p.interactivity_tok_s if p.interactivity_tok_s > 0 else 0.0,
+            overflow_wait_tokens=p.overflow_wait_tokens,
         ),
     )
 

@@ -631,3 +631,32 @@ def test_an_arrival_knee_move_pays_for_its_reload(home_kv, prompt, held_b, outpu
         r, Snapshot(engines=(big("a", home_kv), big("b", 0.0)), matches=matches, session=session)
     )
     assert (d.engine, d.reason) == expected, why
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held_b", "wait_tokens", "expected", "why"),
+    [
+        (
+            200_000,
+            0,
+            222,
+            ("a", "sticky"),
+            "a 200K reload (11.4 s) takes longer than 222 steps (~7 s) at home",
+        ),
+        (20_000, 0, 222, ("b", "kv_overflow"), "a 20K reload (1.1 s) is shorter than the wait"),
+        (200_000, 190_000, 222, ("b", "kv_overflow"), "b holds all but 10K tokens (0.6 s)"),
+        (200_000, 0, 0, ("b", "kv_overflow"), "not priced (overflow_wait_tokens 0): the move as first built"),
+    ],
+)
+def test_a_turn_that_does_not_fit_at_home_moves_only_when_its_reload_beats_the_wait(  # type: ignore[no-untyped-def]
+    prompt, held_b, wait_tokens, expected, why
+) -> None:
+    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=prompt)
+    matches = {"a": PrefixMatch(prompt // 64, prompt // 64, prompt / 64)}
+    if held_b:
+        matches["b"] = PrefixMatch(held_b // 64, held_b // 64, held_b / 64)
+    r = RouteRequest(model="m", prompt_tokens=prompt, block_size=64, session_id="s")
+    p = RoutingParams(profile="agentic", overflow_wait_tokens=wait_tokens, interactivity_tok_s=0.0)
+    snap = Snapshot(engines=(big("a", 0.99), big("b", 0.3)), matches=matches, session=session)
+    d = Router(p).route(r, snap)
+    assert (d.engine, d.reason) == expected, why

@@ -14,7 +14,9 @@
   capacity_blocks > kv_high``, capacity known; ``EngineView.kv_share``: the unpinned usage, or
   the gateway's in-flight prompt tokens when more) sends it to the cheapest engine where it fits
   (``kv_overflow``: without this, a sticky home collects sessions it cannot hold and preempts,
-  measured in the simulator); a home where the turn would push the KV use past
+  measured in the simulator), unless reloading what that engine lacks takes longer than waiting
+  at home for ``overflow_wait_tokens`` decode steps (room frees there as turns end; a 300K-token
+  context reloaded at 2.3 GB/s takes 17 s); a home where the turn would push the KV use past
   ``decode_kv_high`` (the cost model's decode knee for the interactivity target,
   :meth:`~gateway.core.policies.cost.EngineCost.decode_knee`: every sequence decoding there would
   fall under it) sends it to the engine with the most room under it (the lowest ``kv_share``;
@@ -137,6 +139,9 @@ class StickyBounded:
     """Expected output of a turn: a ``kv_balance`` move is made only when the decode time it saves
     over this many tokens exceeds the TTFT its reload adds (0: not priced)."""
     slo_step_ms: float = 0.0
+    overflow_wait_tokens: int = 0
+    """A ``kv_overflow`` move is made only when its reload takes less than this many decode
+    steps at home (0: always)."""
     """The decode step of the interactivity target (1000 / tok/s): only decode time beyond it
     counts as saved."""
     name: str = "sticky_bounded"
@@ -161,7 +166,22 @@ class StickyBounded:
         room = [c for c in candidates if _fits(views[c.engine], req, self.kv_high)]
         if not room:
             return None
-        return Pick(min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total)), "kv_overflow")
+        target = min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
+        if not self._worth_leaving(req, snap, views[natural.engine], natural.engine, target.engine):
+            return None
+        return Pick(target, "kv_overflow")
+
+    def _worth_leaving(self, req: RouteRequest, snap: Snapshot, here: EngineView, stay: str, go: str) -> bool:
+        """For ``kv_overflow``: whether reloading the context ``go`` lacks (at ``move_bytes_per_s``)
+        takes less than waiting at ``stay`` for ``overflow_wait_tokens`` decode steps (room frees
+        as the turns there end). Always, without a cost model or with 0 tokens."""
+        cost, wait_tokens = self.cost, self.overflow_wait_tokens
+        if cost is None or wait_tokens <= 0:
+            return True
+        extra = max(0, _cached_tokens(req, snap, stay) - _cached_tokens(req, snap, go))
+        reload_s = cost.move_s(extra) if cost.move_bytes_per_s > 0 else cost.prefill_s(extra)
+        wait_s = wait_tokens * cost.decode_step_ms(min(1.0, here.kv_share(max(1, req.block_size)))) / 1000.0
+        return reload_s < wait_s
 
     def _pays(
         self, req: RouteRequest, snap: Snapshot, views: dict[str, EngineView], stay: str, go: str
