@@ -319,7 +319,13 @@ class ServerConfig(_Strict):
     """Limits the HTTP server enforces on clients (see gateway/api/server.py)."""
 
     max_connections: int = Field(8192, gt=0)
-    """Open client connections; past it new ones get a 503 and are closed."""
+    """Open client connections; past it new ones get a 503 and are closed (but for
+    ``server.probe_reserve``)."""
+    probe_reserve: int = Field(16, ge=0)
+    """Connections past ``server.max_connections`` kept for liveness and readiness probes: one
+    of them may ask ``GET /health`` or ``GET /ready`` (any other request gets the 503), is
+    closed after its answer and must send its headers within 2 s, so a socket flood does not
+    fail the probes."""
     max_header_count: int = Field(100, gt=0)
     """Request headers accepted; past it a 431."""
     max_header_bytes: int = Field(64 * 1024, gt=0)

@@ -32,6 +32,7 @@ from gateway.core.prefix_index import PrefixIndex
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind
 from gateway.core.types import Medium
+from gateway.service.responses import is_owner_key
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService
@@ -333,6 +334,7 @@ async def dashboard_state(
     """The whole dashboard as one JSON-ready dict (reads only)."""
     cluster, migrations = service.cluster, service.migrations
     recs = await service.sessions.recent(min(session_limit, MAX_SESSIONS), now)
+    recs = [r for r in recs if not is_owner_key(r.session_id)]  # stored responses' engines
 
     last_by_session: dict[str, Migration] = {}
     for m in migrations.recent:

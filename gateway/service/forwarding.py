@@ -21,15 +21,14 @@ import httpx
 import orjson
 
 from gateway.config import GatewayConfig, TimeoutsConfig
-from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
+from gateway.core.hints import GATEWAY_BODY_KEYS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
 from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS, RESPONSE_DROP, ConnectionRefused, Upstream
-from gateway.service.tenants import CREDENTIAL_HEADERS
+from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 
 __all__ = ["Forwarder", "Relay"]
 
@@ -38,7 +37,31 @@ log = logging.getLogger("agentgw.forwarding")
 TAIL_CHUNKS = 3
 """Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
-_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
+STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt", "priority")
+"""Body fields that steer an engine (its KV connector, its prefix-cache namespace, its queue):
+sent only as the gateway sets them (:meth:`Forwarder.body`)."""
+STEERING_XARGS = ("kv_transfer_params", "ec_transfer_params", "agentic_context")
+"""The same inside ``vllm_xargs`` (vLLM copies them into the request's extra args), and the
+Dynamo hint block, which is the gateway's."""
+DROPPED_FIELDS = (*GATEWAY_BODY_KEYS, *STEERING_FIELDS)
+
+FORWARDED_HEADERS = frozenset(
+    {
+        b"accept",
+        b"user-agent",
+        b"x-request-id",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+        b"anthropic-version",
+        b"anthropic-beta",
+        b"openai-beta",
+    }
+)
+"""Request headers an engine gets (lowercase; with the gateway's ``content-type``). An
+allow-list: hop-by-hop headers (``Connection`` and the ones it names), credentials
+(``Authorization``, ``x-api-key``, ``Proxy-Authorization``, ``Cookie``), hint headers and
+anything an engine might act on (``X-data-parallel-rank``) stay at the gateway."""
 
 
 def _refused(exc: BaseException) -> bool:
@@ -118,7 +141,9 @@ class Forwarder:
 
     @staticmethod
     def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        fwd = [(k, v) for k, v in headers if k not in _DROP_HEADERS]
+        """The request headers an engine gets: :data:`FORWARDED_HEADERS` only (ASGI servers
+        give names in lowercase), and the gateway's ``content-type``."""
+        fwd = [(k, v) for k, v in headers if k in FORWARDED_HEADERS]
         fwd.append((b"content-type", b"application/json"))
         return fwd
 
@@ -129,36 +154,37 @@ class Forwarder:
         hints: AgentHints,
         pin: dict[str, Any] | None,
         changed: bool = False,
+        salt: str | None = None,
     ) -> bytes:
         """The body the engine gets: ``raw`` unless something had to change (``changed``: the
         caller changed ``body`` already). ``pin`` is engine_ext's ``kv_transfer_params.agentgw``
-        for this turn (None: none). A client's own ``kv_transfer_params.agentgw`` never reaches
-        engine_ext: it could pin, release or evict another session's KV."""
-        kv = body.get("kv_transfer_params")
-        if isinstance(kv, dict) and "agentgw" in kv:
-            rest = {k: v for k, v in kv.items() if k != "agentgw"}
-            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            if rest:
-                body["kv_transfer_params"] = rest
-            kv = rest or None
+        for this turn (None: none); ``salt`` the tenant's prefix-cache salt (None: none).
+
+        Fields that steer an engine (:data:`STEERING_FIELDS`, :data:`STEERING_XARGS`) reach it
+        only as the gateway sets them, never as a client sent them: a client's
+        ``kv_transfer_params`` could point vLLM's KV connector at another host
+        (``remote_host``, ``do_remote_prefill``) or, with ``agentgw``, pin, release or evict
+        another session's KV; ``vllm_xargs.kv_transfer_params`` is copied by vLLM into the
+        same place; ``priority`` would jump another tenant's queue; ``cache_salt`` is the
+        tenant's or none."""
+        drop = [k for k in DROPPED_FIELDS if k in body]
+        if drop:
+            body = {k: v for k, v in body.items() if k not in drop}
             changed = True
-        elif kv is not None and not isinstance(kv, dict):
-            kv = None
-        if pin is not None:
-            body = {**body, "kv_transfer_params": {**(kv or {}), "agentgw": pin}}
-            changed = True
-        for key in GATEWAY_BODY_KEYS:
-            if key in body:
-                body = {k: v for k, v in body.items() if k != key}
-                changed = True
         xargs = body.get("vllm_xargs")
-        if isinstance(xargs, dict) and "agentic_context" in xargs:
-            rest = {k: v for k, v in xargs.items() if k != "agentic_context"}
+        if isinstance(xargs, dict) and any(k in xargs for k in STEERING_XARGS):
+            rest = {k: v for k, v in xargs.items() if k not in STEERING_XARGS}
             body = (
                 {**body, "vllm_xargs": rest} if rest else {k: v for k, v in body.items() if k != "vllm_xargs"}
             )
             changed = True
-        if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
+        if salt is not None:
+            body = {**body, "cache_salt": salt}
+            changed = True
+        if pin is not None:
+            body = {**body, "kv_transfer_params": {"agentgw": pin}}
+            changed = True
+        if self.config.routing.forward_priority and hints.priority is not None:
             body = {**body, "priority": hints.priority}
             changed = True
         return _dumps(body) if changed else raw

@@ -137,7 +137,8 @@ class GatewayService:
             salt_for(parsed, tenant.cache_salt)
         prompt = await self.prompts.read(parsed, headers, dry_run, tenant)
         prev = parsed.previous_response_id
-        return await self.placement.analyze(prompt, tenant.namespace(prev) if prev is not None else None)
+        stored = tenant.namespace(prev) if prev is not None else None
+        return await self.placement.analyze(prompt, stored, prev)
 
     def decide(self, a: Analysis) -> Decision:
         return self.placement.decide(a)

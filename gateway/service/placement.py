@@ -44,7 +44,8 @@ class Analysis:
     owner: str | None = None
     """The one engine that can serve the turn (it holds the stored response it continues)."""
     owner_of: str | None = None
-    """That stored response's id."""
+    """That stored response's id, as the client named it (for its error messages: the stored,
+    namespaced id is the gateway's own)."""
 
     @property
     def hints(self) -> AgentHints:
@@ -99,8 +100,12 @@ class Placement:
         return self.core.index
 
     # -- reading -------------------------------------------------------------------------------
-    async def analyze(self, prompt: PromptRead, continues: str | None = None) -> Analysis:
-        """``continues``: the id of a stored response the turn continues (its engine only)."""
+    async def analyze(
+        self, prompt: PromptRead, continues: str | None = None, shown: str | None = None
+    ) -> Analysis:
+        """``continues``: the (stored) id of a stored response the turn continues (its engine
+        only); ``shown``: that id as the client named it, for error messages."""
+        shown = shown if shown is not None else continues
         turn = prompt.turn
         h = turn.hints
         now = self.clock()
@@ -111,8 +116,8 @@ class Placement:
         arrival = self.core.on_arrival(turn, prompt.index, rec, parent, self.cluster.views(), now)
         owner = await self.owners.owner(continues) if continues is not None else None
         if continues is not None and owner is None:
-            raise ResponseNotFound(continues, "previous_response_id")
-        return Analysis(prompt, arrival, owner, continues)
+            raise ResponseNotFound(shown or "", "previous_response_id")
+        return Analysis(prompt, arrival, owner, shown)
 
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:

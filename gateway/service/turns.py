@@ -274,8 +274,11 @@ class Turns:
             turn.decision = d = svc.decide(a)
             # the body the engine gets, before anything is written: one that cannot be
             # forwarded is a 400 that leaves no session state behind
-            salted = turn.tenant.cache_salt is not None
-            turn.body = svc.forwarder.body(parsed.body, turn.raw, a.hints, svc.pin_for(a, d), changed=salted)
+            salt = turn.tenant.cache_salt  # the tenant's, never the client's
+            pin = svc.pin_for(a, d)
+            turn.body = svc.forwarder.body(
+                parsed.body, turn.raw, a.hints, pin, changed=salt is not None, salt=salt
+            )
         except REFUSALS as exc:
             await self._refuse(route, turn, edge, exc, [])
             return
