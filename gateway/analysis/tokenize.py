@@ -438,19 +438,20 @@ class ChatTokenizer:
     def _special_texts(self) -> list[str]:
         return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """Token ids of ``text`` (no special tokens added) and (token index, char start, char
-        end) of each special token in it."""
+    def _encode(self, text: str) -> tuple[Sequence[int], list[tuple[int, int, int]]]:
+        """Token ids of ``text`` (no special tokens added; an ``array("i")`` or a list) and
+        (token index, char start, char end) of each special token in it."""
         fast = self.fast
         if fast is not None:
-            ids, specials = fast.encode(text)
+            arr, specials = fast.encode_array(text)
             n = self.fast_encodes = self.fast_encodes + 1
             if n > FAST_CHECK_FIRST and n % FAST_CHECK_EVERY:
-                return ids, specials
+                return arr, specials
             self.fast_checks += 1
             ref = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = arr.tolist()
             if ref == ids:
-                return ids, specials
+                return arr, specials
             self.fast_mismatches += 1
             self.fast, self.fast_reason = None, "disagreed with the tokenizer on a live prompt"
             i = common_prefix_len(ids, ref)
