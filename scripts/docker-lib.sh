@@ -11,15 +11,13 @@ ensure_dockerd() {
   docker info >/dev/null 2>&1 && return 0
   command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh --test installs docker.io)" >&2; return 1; }
   log "starting dockerd"
-  # dockerd outlives this script: it must not inherit a lock held by a caller (flock LOCK cmd
-  # passes its locked descriptor down, so a daemon holding it keeps the lock after cmd ends)
+  # the daemon outlives this script: it must not inherit the caller's descriptors beyond 0-2,
+  # or it holds what they hold for ever (the flock of `flock /tmp/agentgw-heavy.lock
+  # scripts/compose-check.sh`: every later job waiting on that lock waited on dockerd)
   (
-    for fd in /proc/"$BASHPID"/fd/*; do
-      fd=${fd##*/}
-      if [ "$fd" -gt 2 ]; then eval "exec $fd>&-"; fi
-    done
-    exec setsid dockerd >"$STATE/dockerd.log" 2>&1 </dev/null
-  ) &
+    for fd in /proc/self/fd/*; do n=${fd##*/}; [ "$n" -gt 2 ] 2>/dev/null && eval "exec $n>&-"; done
+    exec setsid dockerd
+  ) >"$STATE/dockerd.log" 2>&1 < /dev/null &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; return 1; }
 }

@@ -43,17 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import orjson
 from tokenizers import Tokenizer
 
 from gateway.analysis.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
-from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE
+from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE, _native
 from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
 from gateway.errors import ApiError
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+_CBOR_NONE = b"\xf6"
 PROMPT_CHUNK_CHARS = 4096
 """A completions prompt is keyed in chunks of this many characters."""
 TOKEN_CHUNK = 2048
@@ -436,19 +438,20 @@ class ChatTokenizer:
     def _special_texts(self) -> list[str]:
         return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """Token ids of ``text`` (no special tokens added) and (token index, char start, char
-        end) of each special token in it."""
+    def _encode(self, text: str) -> tuple[Sequence[int], list[tuple[int, int, int]]]:
+        """Token ids of ``text`` (no special tokens added; an ``array("i")`` or a list) and
+        (token index, char start, char end) of each special token in it."""
         fast = self.fast
         if fast is not None:
-            ids, specials = fast.encode(text)
+            arr, specials = fast.encode_array(text)
             n = self.fast_encodes = self.fast_encodes + 1
             if n > FAST_CHECK_FIRST and n % FAST_CHECK_EVERY:
-                return ids, specials
+                return arr, specials
             self.fast_checks += 1
             ref = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = arr.tolist()
             if ref == ids:
-                return ids, specials
+                return arr, specials
             self.fast_mismatches += 1
             self.fast, self.fast_reason = None, "disagreed with the tokenizer on a live prompt"
             i = common_prefix_len(ids, ref)
@@ -632,6 +635,15 @@ class ChatTokenizer:
             keep = min(len(prev.raw), (start + common_prefix_len(prev.tokens[start:], tokens[start:])) // bs)
         raw, hashes = prev.raw[:keep] if prev else [], prev.hashes[:keep] if prev else []
         parent = raw[-1] if raw else None
+        if _native is not None and isinstance(tokens, array):
+            # the same sha256 over the same canonical CBOR, encoded in C
+            none, sha, cbor = self._none, hashlib.sha256, _native.cbor_block
+            for i in range(keep, len(tokens) // bs):
+                extra = _CBOR_NONE if not (i == 0 and salt) else cbor2.dumps((salt,), canonical=True)
+                parent = sha(cbor(parent or none, tokens, i * bs, (i + 1) * bs, extra)).digest()
+                raw.append(parent)
+                hashes.append(int.from_bytes(parent[24:], "big"))
+            return raw, hashes
         for i in range(keep, len(tokens) // bs):
             extra = (salt,) if (i == 0 and salt) else None
             parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)

@@ -182,6 +182,19 @@ _ASSETS = {
 }
 
 
+SECURITY_HEADERS = {
+    # everything the page loads is its own (no inline script or style, nothing from elsewhere)
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+"""Sent with every dashboard response (the page, its assets, its data)."""
+
+
 @functools.cache
 def _asset(name: str) -> bytes:
     """A packaged dashboard file (gateway/api/static/), read once."""
@@ -194,7 +207,11 @@ def _asset(name: str) -> bytes:
     include_in_schema=False,
 )
 async def dashboard_page() -> Response:
-    return Response(_asset("dashboard.html"), media_type=_ASSETS["dashboard.html"])
+    return Response(
+        _asset("dashboard.html"),
+        media_type=_ASSETS["dashboard.html"],
+        headers={**SECURITY_HEADERS, "cache-control": "no-cache"},
+    )
 
 
 @router.get(
@@ -206,7 +223,7 @@ async def dashboard_asset(name: str) -> Response:
     media = _ASSETS.get(name)
     if media is None or name == "dashboard.html":
         raise ApiError(404, f"no dashboard asset '{name}'", "name", "not_found")
-    return Response(_asset(name), media_type=media, headers={"cache-control": "no-cache"})
+    return Response(_asset(name), media_type=media, headers={**SECURITY_HEADERS, "cache-control": "no-cache"})
 
 
 @router.get(
@@ -221,4 +238,4 @@ async def dashboard_data(
     svc = _svc(request)
     history: DashboardHistory | None = getattr(request.app.state, "dashboard", None)
     state = await dashboard_state(svc, history, svc.clock(), session_limit=sessions)
-    return JSONResponse(state, headers={"cache-control": "no-store"})
+    return JSONResponse(state, headers={**SECURITY_HEADERS, "cache-control": "no-store"})

@@ -174,7 +174,11 @@ def create_app(
             await cluster.stop()
             await upstream.aclose()
 
-    api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: they were served without a key (and the pages load
+    # their script from a CDN); the contract is openapi/agentgw.yaml
+    api = FastAPI(
+        title="agentgw", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     api.state.holder = ServiceHolder()
     api.state.engine_notes = dict(engine_notes or {})
     api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)

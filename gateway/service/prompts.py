@@ -34,9 +34,9 @@ from gateway.core.hints import (
     unknown_hints,
 )
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
-from gateway.protocol import ParsedRequest
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
+from gateway.wire.openai import ParsedRequest
 
 __all__ = ["AUXILIARY_KINDS", "PromptRead", "Prompts", "without_session"]
 
@@ -121,7 +121,10 @@ class Prompts:
         hdrs = {}
         for k, v in headers:
             if k in _HINT_HEADER_BYTES or k.startswith(_OUR_PREFIX):  # an unknown X-Agent-* too
-                hdrs[k.decode("latin-1")] = v.decode("latin-1")
+                try:  # UTF-8 as clients send it (an id "café" is printable); else byte for byte
+                    hdrs[k.decode("latin-1")] = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    hdrs[k.decode("latin-1")] = v.decode("latin-1")
         reject = self.config.hints.on_invalid == "reject"
         warning = None
         if hdrs or "agent_hints" in parsed.body:

@@ -57,7 +57,9 @@ def test_engine_tables_match_prefix_index(ops: list[tuple[str, str, int, int, Me
 def test_bloom_tables_never_miss_and_rarely_overshoot() -> None:
     rng = random.Random(7)
     exact, bloom = EngineTables(), BloomTables(capacity_per_engine=2000)
-    chains = {e: [[rng.getrandbits(63) for _ in range(rng.randrange(5, 60))] for _ in range(20)] for e in ENGINES}
+    chains = {
+        e: [[rng.getrandbits(63) for _ in range(rng.randrange(5, 60))] for _ in range(20)] for e in ENGINES
+    }
     for e, cs in chains.items():
         for c in cs:
             exact.apply_stored(e, c)
