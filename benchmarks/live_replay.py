@@ -4,13 +4,13 @@
         --plays 2 --max-requests 30 --scale --speedup 50 --engines http://127.0.0.1:P1,http://127.0.0.1:P2
     python -m benchmarks.live_replay ... --no-hints          # the same replay without any hint
 
-The trace is a Weka/AgentX folder or file (``benchmarks.sim.traces.load_weka``), optionally cut
+The trace is a Weka/AgentX folder or file (``gateway.sim.traces.load_weka``), optionally cut
 to the first ``--max-requests`` requests of the first ``--plays`` plays and scaled down with
-``benchmarks.sim.scale.scale_plays`` (``--scale``: 128-token blocks, a context that fits a tiny
+``gateway.sim.scale.scale_plays`` (``--scale``: 128-token blocks, a context that fits a tiny
 model, the same gaps). ``--write-weka DIR`` writes the replayed plays back as Weka JSON (what the
 simulator and aiperf read).
 
-Replay rules are the simulator's (``benchmarks.sim.cluster``): ``--lanes`` plays at a time, a
+Replay rules are the simulator's (``gateway.sim.cluster``): ``--lanes`` plays at a time, a
 request is sent when its dependencies are met (previous turn completed + recorded gap, subagent
 spawned on its parent's dispatch or completion, joins), every recorded gap divided by
 ``--speedup``. Requests are streamed with the OpenAI SDK (async client).
@@ -58,9 +58,9 @@ from typing import Any
 import httpx
 
 from benchmarks._common import default_weka_traces
-from benchmarks.sim.metrics import ideal_hits_by_request, percentile
-from benchmarks.sim.scale import scale_plays, to_weka
-from benchmarks.sim.traces import DISPATCH, Play, TraceRequest, load_weka
+from gateway.sim.metrics import ideal_hits_by_request, percentile
+from gateway.sim.scale import scale_plays, weka_json
+from gateway.sim.traces import DISPATCH, Play, TraceRequest, load_weka
 
 __all__ = [
     "ENGINE_COUNTERS",
@@ -134,24 +134,6 @@ def load_trace(
     return loaded
 
 
-def weka_json(play: Play, scope: str = "local") -> dict[str, Any]:
-    """``benchmarks.sim.scale.to_weka`` plus the fields aiperf's Weka schema requires (trace
-    ``models``; subagent ``subagent_type``, ``status``, ``models``): readable by both."""
-    d = to_weka(play, scope)
-    models = sorted({r.model or "unknown" for r in play.requests})
-    d["models"] = models
-    d.setdefault("tool_tokens", 0)
-    d.setdefault("system_tokens", 0)
-    for e in d["requests"]:  # type: ignore[union-attr]
-        if e.get("type") == "subagent":
-            e.setdefault("subagent_type", "Explore")
-            e.setdefault("status", "completed")
-            e.setdefault("models", models)
-        else:
-            e["model"] = e.get("model") or models[0]
-    return d
-
-
 # -- prompts -------------------------------------------------------------------------------------
 class PromptSynth:
     """Deterministic prompt content per hash id: equal ids give equal blocks."""
@@ -218,6 +200,12 @@ class LiveRecord:
     cached_tokens: int
     """``usage.prompt_tokens_details.cached_tokens`` (-1: not reported)."""
     error: str = ""
+    reason: str = ""
+    """The gateway's routing reason (``x-agentgw-reason``)."""
+    replica: str = ""
+    """The gateway replica(s) a balancer sent it to (``x-upstream-addr``: two when retried)."""
+    request_id: str = ""
+    """``x-request-id`` as returned."""
 
 
 @dataclass
@@ -234,6 +222,8 @@ class LiveConfig:
     timeout_s: float = 600.0
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
+    api_key: str = "unused"
+    """Sent as ``Authorization: Bearer`` (a gateway with tenants' keys needs one)."""
 
 
 def hint_fields(play: Play, r: TraceRequest, turn: int, next_gap_s: float | None, speedup: float) -> dict:
@@ -328,6 +318,9 @@ class _Replayer:
                 ctx = self.client.completions.with_streaming_response.create(prompt=prompt, **common)
             async with ctx as resp:
                 rec.engine = resp.headers.get("x-agentgw-engine", "")
+                rec.reason = resp.headers.get("x-agentgw-reason", "")
+                rec.replica = resp.headers.get("x-upstream-addr", "")
+                rec.request_id = resp.headers.get("x-request-id", "")
                 stream = await resp.parse()
                 async for chunk in stream:
                     if chunk.choices:
@@ -408,7 +401,7 @@ async def replay(plays: Sequence[Play], cfg: LiveConfig) -> list[LiveRecord]:
     async with (
         httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s, connect=10.0)) as http,
         AsyncOpenAI(
-            base_url=cfg.url.rstrip("/") + "/v1", api_key="unused", http_client=http, max_retries=0
+            base_url=cfg.url.rstrip("/") + "/v1", api_key=cfg.api_key, http_client=http, max_retries=0
         ) as client,
     ):
         return await _Replayer(cfg, client, total).run(plays)
@@ -593,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", default=None, help="Weka folder or file (default: shared/traces/weka)")
     ap.add_argument("--plays", default="0", help="N (first N plays by name) or play ids, comma-separated")
     ap.add_argument("--max-requests", type=int, default=0, help="keep each play's first N requests")
-    ap.add_argument("--scale", action="store_true", help="scale down with benchmarks.sim.scale")
+    ap.add_argument("--scale", action="store_true", help="scale down with gateway.sim.scale")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=64)
@@ -611,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--write-weka", default=None, help="write the replayed plays as Weka JSON here")
     ap.add_argument("--json", default=None, help="write metrics and per-request records here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--api-key", default="unused", help="the gateway key (Authorization: Bearer)")
     return ap
 
 
@@ -664,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             salt=salt + i,  # a second run must not hit the first run's cache
             vocab_size=args.vocab_size,
             progress=not args.no_progress,
+            api_key=args.api_key,
         )
         m, records = run_live(plays, cfg, engines, label=label)
         rows.append(m)

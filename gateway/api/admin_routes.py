@@ -18,9 +18,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.api.auth import require_admin, tenant_of
+from gateway.config import ConfigError
 from gateway.errors import ApiError
 from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
 from gateway.service.gateway import GatewayService
+from gateway.service.membership import parse_pools
 
 router = APIRouter()
 
@@ -37,11 +39,29 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", summary="Readiness: every configured pool has a healthy engine")
 async def ready(request: Request) -> JSONResponse:
-    pools = _svc(request).cluster.ready()
+    cluster = _svc(request).cluster
+    pools = cluster.ready()
     draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
     ok = bool(pools) and all(pools.values()) and not draining
-    degraded = await _svc(request).sessions.probe()  # a shared store down: routing on the local view
-    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining}
+    svc = _svc(request)
+    degraded = await svc.sessions.probe()  # a shared store down: routing on the local view
+    now = time.time()
+    # how stale the prefix index may be: KV events are not replayed to a replica that (re)starts
+    index = {sub.engine: sub.coverage(now) for sub in svc.subscribers}
+    # the engines routing skips, and why (starting, refusing connections, failing probes), with
+    # where their logs are when the gateway started them itself
+    notes: dict[str, str] = request.app.state.engine_notes
+    waiting = {
+        name: f"{why} ({notes[name]})" if name in notes else why for name, why in cluster.waiting().items()
+    }
+    body = {
+        "ready": ok,
+        "pools": pools,
+        "degraded": degraded,
+        "draining": draining,
+        "waiting_for": waiting,
+        "prefix_index": index,
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -54,6 +74,11 @@ async def metrics(request: Request) -> Response:
     for pool, panic in svc.cluster.panicking().items():
         svc.metrics.engine_panic.labels(pool).set(1 if panic else 0)
     svc.metrics.session_store_degraded.set(1 if await svc.sessions.probe() else 0)
+    now = time.time()
+    for sub in svc.subscribers:
+        cov = sub.coverage(now)
+        svc.metrics.index_coverage.labels(sub.engine).set(cov["complete_for_s"])
+        svc.metrics.kv_event_gaps.labels(sub.engine).set(cov["gaps"])
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -69,12 +94,105 @@ async def models(request: Request) -> dict[str, object]:
     return {"object": "list", "data": data}
 
 
+# -- engines joining and leaving (gateway/service/membership.py) -------------------------------
+def _pools_json(svc: GatewayService) -> dict[str, object]:
+    c = svc.cluster
+    return {
+        "pools": [
+            {
+                "name": pool,
+                "role": c.engines[names[0]].role.value if names else None,
+                "engines": [
+                    {
+                        **c.engines[n].config.model_dump(),
+                        "healthy": c.engines[n].healthy,
+                        "inflight": c.engines[n].inflight,
+                    }
+                    for n in names
+                ],
+            }
+            for pool, names in c.pools.items()
+        ],
+        "leaving": [n for n, s in c.engines.items() if s.removed],
+    }
+
+
+# operator routes (docs/operations.md), not the client contract (openapi/agentgw.yaml), like the
+# dashboard's: a fuzzer of the contract must not replace the engine list
+@router.get(
+    "/admin/pools",
+    summary="The engines now (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def get_pools(request: Request) -> JSONResponse:
+    return JSONResponse(_pools_json(_svc(request)))
+
+
+@router.put(
+    "/admin/pools",
+    summary="Replace the engine list while running (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def put_pools(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body must be JSON", None, "invalid_json") from None
+    if not isinstance(body, dict) or not isinstance(body.get("pools"), list):
+        raise ApiError(400, "body must be an object with a list 'pools'", "pools", "invalid_request")
+    try:
+        pools = parse_pools(body["pools"])
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), _key_of(str(exc)), "invalid_request") from None
+    change = await svc.membership.apply(pools, "admin API")
+    return JSONResponse({**change, **_pools_json(svc)})
+
+
+@router.post(
+    "/admin/reload",
+    summary="Re-read the config (and discovery) file's pools, as SIGHUP does (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
+async def reload_pools(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    try:
+        change = await svc.membership.reload("admin reload")
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), _key_of(str(exc)), "invalid_config") from None
+    return JSONResponse({**change, **_pools_json(svc)})
+
+
+def _key_of(message: str) -> str | None:
+    """The key a ConfigError message names (``invalid config key 'pools.0.name': ...``)."""
+    head = "invalid config key '"
+    if message.startswith(head):
+        return message[len(head) :].split("'", 1)[0]
+    return None
+
+
 # -- the operator dashboard ----------------------------------------------------------------------
 _ASSETS = {
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
+
+
+SECURITY_HEADERS = {
+    # everything the page loads is its own (no inline script or style, nothing from elsewhere)
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+"""Sent with every dashboard response (the page, its assets, its data)."""
 
 
 @functools.cache
@@ -89,7 +207,11 @@ def _asset(name: str) -> bytes:
     include_in_schema=False,
 )
 async def dashboard_page() -> Response:
-    return Response(_asset("dashboard.html"), media_type=_ASSETS["dashboard.html"])
+    return Response(
+        _asset("dashboard.html"),
+        media_type=_ASSETS["dashboard.html"],
+        headers={**SECURITY_HEADERS, "cache-control": "no-cache"},
+    )
 
 
 @router.get(
@@ -101,7 +223,7 @@ async def dashboard_asset(name: str) -> Response:
     media = _ASSETS.get(name)
     if media is None or name == "dashboard.html":
         raise ApiError(404, f"no dashboard asset '{name}'", "name", "not_found")
-    return Response(_asset(name), media_type=media, headers={"cache-control": "no-cache"})
+    return Response(_asset(name), media_type=media, headers={**SECURITY_HEADERS, "cache-control": "no-cache"})
 
 
 @router.get(
@@ -116,4 +238,4 @@ async def dashboard_data(
     svc = _svc(request)
     history: DashboardHistory | None = getattr(request.app.state, "dashboard", None)
     state = await dashboard_state(svc, history, svc.clock(), session_limit=sessions)
-    return JSONResponse(state, headers={"cache-control": "no-store"})
+    return JSONResponse(state, headers={**SECURITY_HEADERS, "cache-control": "no-store"})

@@ -1,9 +1,11 @@
-"""The hot path, for every generation API: a raw ASGI endpoint that reads the body, parses it
-once through its wire adapter, asks the service where it goes, then relays each upstream chunk
-as soon as it arrives.
+"""The hot path's edge, for every generation API: a raw ASGI endpoint that authenticates the
+caller and hands the turn to the service's pipeline (:mod:`gateway.service.turns`, which orders
+every stage) through a connection that speaks the API's shape: it reads the body (bounded),
+parses it once through the wire adapter, renders errors and stream error events, and sends
+each chunk the pipeline relays.
 
 It bypasses Starlette's Request/StreamingResponse (a measurable cost per chunk, ANCHORS.md). A
-client that disconnects, while the engine is being reached or mid-stream, cancels the relay,
+client that disconnects, while the engine is being reached or mid-stream, cancels the turn,
 which closes the upstream connection, so vLLM aborts the request and frees its KV. An engine that
 fails mid-stream ends a streamed answer with an explicit error event in the API's own streaming
 form (:attr:`Wire.stream_error`), never a silent truncation.
@@ -13,24 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import to_api_error
+from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
-from gateway.protocol import ParsedRequest
-from gateway.service.errors import ResponseNotFound
-from gateway.service.gateway import GatewayService, Plan, Relay
-from gateway.service.responses import SCAN_BYTES, find_response_id
-
-log = logging.getLogger("agentgw.api")
+from gateway.service.gateway import GatewayService
+from gateway.service.tenants import Tenant
+from gateway.service.turns import Route
+from gateway.wire.openai import ParsedRequest
 
 Scope = dict[str, Any]
 
@@ -85,14 +82,12 @@ async def read_body(
     receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
 ) -> bytes:
     """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
-    (503; the claim holds the bytes until it is released). A ``declared`` length is checked
-    and claimed whole before a byte is read (a client announcing a body that cannot fit is
-    refused at once); a chunked body is claimed as it arrives."""
-    if declared is not None:
-        if declared > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None:
-            claim.take(declared)
+    (429 past the owner's share, 503 past the whole; the claim holds the bytes until it is
+    released). A ``declared`` length past ``limit`` is refused before a byte is read; bytes are
+    claimed as they arrive, never on the declared length (a client announcing 32 MiB and
+    sending one byte holds one byte)."""
+    if declared is not None and declared > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -103,11 +98,20 @@ async def read_body(
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None and chunk and (declared is None or size > declared):
+        if claim is not None and chunk:
             claim.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def body_owner(svc: GatewayService, tenant: Tenant, scope: Scope) -> str:
+    """Whom the body's bytes are charged to (gateway/api/body_budget.py): the tenant, or the
+    client's address when no API keys are configured."""
+    if svc.tenants.open:
+        client = scope.get("client")
+        return "addr:" + (client[0] if client else "")
+    return "tenant:" + tenant.name
 
 
 async def wait_disconnect(receive: Any) -> None:
@@ -130,31 +134,99 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class _Watch:
-    """Cancels the task that runs the relay when the client disconnects."""
+class _AsgiEdge:
+    """One turn's client connection, in its API's shape (the pipeline's :class:`Edge`)."""
 
-    def __init__(self, receive: Any) -> None:
-        self.gone = False
-        self.done = False
-        self._task = asyncio.current_task()
-        self._fut = asyncio.ensure_future(wait_disconnect(receive))
-        self._fut.add_done_callback(self._on_gone)
+    __slots__ = (
+        "claim",
+        "flight",
+        "limit",
+        "raw",
+        "receive",
+        "responded",
+        "scope",
+        "send_",
+        "stream",
+        "wire",
+    )
 
-    def _on_gone(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self.done or self._task is None:
-            return
-        self.gone = True
-        self._task.cancel()
+    def __init__(
+        self,
+        wire: Wire,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        limit: int,
+        flight: Flight | None,
+        claim: Claim | None,
+    ) -> None:
+        self.wire = wire
+        self.limit = limit
+        self.scope = scope
+        self.receive = receive
+        self.send_ = send
+        self.flight = flight
+        self.claim = claim
+        self.raw: bytes | None = None
+        self.stream = False
+        self.responded = False
 
-    def stop(self) -> None:
-        self.done = True
-        self._fut.cancel()
+    @property
+    def declared(self) -> int | None:
+        """The body's declared length (None: chunked, or not a number)."""
+        return declared_length(self.scope["headers"])
 
-    def absorb(self) -> None:
-        """The cancellation was ours (the client left): let the task go on to clean up."""
-        uncancel = getattr(self._task, "uncancel", None)
-        if uncancel is not None:
-            uncancel()
+    async def read(self) -> bytes:
+        self.raw = await read_body(self.receive, self.limit, self.claim, self.declared)
+        return self.raw
+
+    def parse(self, raw: bytes) -> ParsedRequest:
+        parsed = self.wire.parse(raw)
+        self.stream = parsed.stream
+        return parsed
+
+    async def wait_disconnect(self) -> None:
+        await wait_disconnect(self.receive)
+
+    async def refuse(self, exc: BaseException, headers: list[tuple[bytes, bytes]]) -> int:
+        err = exc if isinstance(exc, ApiError) else to_api_error(exc)  # type: ignore[arg-type]
+        # refused before its body was read (401, 413, the body budget's 503): close the
+        # connection rather than read and discard the rest of the body to keep it alive
+        extra = [(b"connection", b"close")] if self.raw is None else headers
+        self._responded()
+        await send_error(self.send_, err, extra, self.wire.render_error)
+        return err.status
+
+    def reshape(self, status: int, body: bytes) -> bytes:
+        return self.wire.reshape_error(status, body)
+
+    def stream_error(self, message: str) -> bytes:
+        return self.wire.stream_error(message)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self._responded()
+        await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send_({"type": "http.response.body", "body": body})
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+        self._responded()
+
+    async def send(self, chunk: bytes) -> None:
+        await self.send_({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, tail: bytes = b"") -> None:
+        await self.send_({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def abort(self) -> None:
+        cut = (self.scope.get("extensions") or {}).get(ABORT_EXTENSION)
+        if cut is not None:
+            cut()
+
+    def _responded(self) -> None:
+        self.responded = True
+        if self.flight is not None:
+            self.flight.responded = True
 
 
 def _uncancel(task: asyncio.Task[Any] | None) -> None:
@@ -164,6 +236,10 @@ def _uncancel(task: asyncio.Task[Any] | None) -> None:
 
 
 class GenerationEndpoint:
+    """The edge of every generation API: authenticates the caller, hands the turn to the
+    service's pipeline (:class:`gateway.service.turns.Turns`) with a connection that speaks the
+    API's shape, and ends what the drain cuts."""
+
     def __init__(
         self,
         wire: Wire,
@@ -173,6 +249,7 @@ class GenerationEndpoint:
     ) -> None:
         self.wire = wire
         self.route = wire.route
+        self.turn_route = Route(wire.route, wire.upstream_path, wire.stores_responses, wire.stream_end)
         self._holder = holder
         self._drain = drain
         self._bodies = bodies
@@ -187,240 +264,38 @@ class GenerationEndpoint:
         claim = self._bodies.claim() if self._bodies is not None else None
         try:
             drain = self._drain
-            if drain is None:
-                await self._handle(svc, scope, receive, send, None, claim)
-                return
-            flight = drain.enter()
+            flight = drain.enter() if drain is not None else None
+            limit = svc.config.limits.max_body_bytes
+            edge = _AsgiEdge(wire, scope, receive, send, limit, flight, claim)
             try:
-                await self._handle(svc, scope, receive, send, flight, claim)
+                await self._handle(svc, scope, edge)
             except asyncio.CancelledError:
-                if not flight.cut:
+                if flight is None or not flight.cut or drain is None:
                     raise
                 _uncancel(flight.task)
-                if not flight.responded:  # cut before its answer began: the drain's 503
-                    with contextlib.suppress(RuntimeError, OSError):
+                with contextlib.suppress(RuntimeError, OSError):
+                    if not edge.responded:  # cut before its answer began: the drain's 503
                         await send_error(send, drain.error(), [(b"connection", b"close")], wire.render_error)
+                    else:  # cut mid-answer: end it the way an engine failure does
+                        tail = wire.stream_error(drain.stream_message()) if edge.stream else b""
+                        await edge.end(tail)
             finally:
-                drain.leave(flight)
+                if drain is not None and flight is not None:
+                    drain.leave(flight)
         finally:
             if claim is not None:  # the body lived as long as the request
                 claim.release()
 
-    async def _handle(
-        self,
-        svc: GatewayService,
-        scope: Scope,
-        receive: Any,
-        send: Any,
-        flight: Flight | None,
-        claim: Claim | None = None,
-    ) -> None:
-        wire = self.wire
-        t0 = time.perf_counter()
-        raw: bytes | None = None
+    async def _handle(self, svc: GatewayService, scope: Scope, edge: _AsgiEdge) -> None:
+        headers = scope["headers"]
         try:
-            tenant = svc.tenants.authenticate(scope["headers"])
-            limit = svc.config.limits.max_body_bytes
-            raw = await read_body(receive, limit, claim, declared_length(scope["headers"]))
-            await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
-            parsed = wire.parse(raw)
-            plan = await svc.plan(parsed, raw, scope["headers"], tenant)
-        except ConnectionAbortedError:
-            return
-        except (ApiError, *SERVICE_ERRORS) as exc:
-            err = exc if isinstance(exc, ApiError) else to_api_error(exc)
+            tenant = svc.tenants.authenticate(headers)
+            if edge.declared is not None and edge.declared > edge.limit:
+                raise ApiError(413, f"request body exceeds {edge.limit} bytes", None, "request_too_large")
+        except ApiError as err:
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            # refused before its body was read (401, 413, the body budget's 503): close the
-            # connection rather than read and discard the rest of the body to keep it alive
-            unread = [(b"connection", b"close")] if raw is None else None
-            await send_error(send, err, unread, render=wire.render_error)
+            await edge.refuse(err, [])
             return
-        interactive = plan.analysis.hints.interactive
-        async with contextlib.AsyncExitStack() as admitted:
-            try:
-                # the tenant's limits and the gateway's, then the engine's; interactive turns first
-                await admitted.enter_async_context(
-                    svc.admission.admit(tenant, interactive, plan.analysis.request.prompt_tokens)
-                )
-                await admitted.enter_async_context(
-                    svc.admission.engine_slot(plan.decision.engine, interactive)
-                )
-            except ApiError as err:
-                await svc.abandon(plan)
-                svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
-                await send_error(send, err, plan.extra_headers, wire.render_error)
-                return
-            except asyncio.CancelledError:
-                if flight is not None and flight.cut:
-                    await svc.abandon(plan)
-                raise
-            await self._serve(svc, plan, parsed, t0, receive, send, flight)
-
-    async def _serve(
-        self,
-        svc: GatewayService,
-        plan: Plan,
-        parsed: ParsedRequest,
-        t0: float,
-        receive: Any,
-        send: Any,
-        flight: Flight | None,
-    ) -> None:
-        wire = self.wire
-        watch = _Watch(receive)
-        try:
-            up = await svc.open(
-                plan.decision,
-                wire.upstream_path,
-                plan.body,
-                plan.headers,
-                parsed.stream,
-                continues=parsed.previous_response_id,
-            )
-        except asyncio.CancelledError:
-            if not watch.gone:
-                watch.stop()
-                if flight is not None and flight.cut:  # the drain's deadline: its 503 follows
-                    await svc.abandon(plan)
-                raise
-            watch.absorb()
-            svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
-            await svc.abandon(plan)
-            return
-        except SERVICE_ERRORS as exc:
-            watch.stop()
-            err = to_api_error(exc)
-            await svc.abandon(plan)
-            svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
-            await send_error(send, err, plan.extra_headers, wire.render_error)
-            return
-        try:
-            if up.status >= 400:
-                watch.stop()
-                await self._relay_error(svc, plan, up, t0, send, parsed.previous_response_id)
-                return
-            record = wire.stores_responses and parsed.store and up.status == 200
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight)
-        finally:
-            up.close()
-
-    async def _relay_error(
-        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any, continues: str | None = None
-    ) -> None:
-        """An engine's error answer, re-shaped into the API's error shape (vLLM's own errors are
-        ``{"detail": ...}`` on some paths). The owner's 404 for a ``previous_response_id`` (it
-        evicted the response) becomes OpenAI's 400 ``previous_response_not_found``, as when the
-        gateway knows no owner."""
-        status = "502"
-        try:
-            raw = await up.read()
-            if up.status == 404 and continues is not None:
-                err = to_api_error(
-                    ResponseNotFound(continues, "previous_response_id", "its engine no longer holds it")
-                )
-                up_status, body = err.status, self.wire.render_error(err)
-            else:
-                up_status, body = up.status, self.wire.reshape_error(up.status, raw)
-            status = str(up_status)
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *plan.response_headers(up),
-            ]
-            await send({"type": "http.response.start", "status": up_status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            err = ApiError(502, f"engine '{up.engine}' failed mid-response: {exc!r}", None, "upstream_error")
-            await send_error(send, err, render=self.wire.render_error)
-        except OSError:
-            status = "499"
-        finally:
-            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
-            svc.metrics.count_request(self.route, status, up.pool, up.engine)
-            await svc.finish(plan, up, status)
-
-    async def _relay(
-        self,
-        svc: GatewayService,
-        plan: Plan,
-        up: Relay,
-        t0: float,
-        send: Any,
-        watch: _Watch,
-        stream: bool,
-        record_id: bool,
-        flight: Flight | None = None,
-    ) -> None:
-        headers = up.headers() + plan.response_headers(up)
-        status = str(up.status)
-        started = False
-        first = True
-        head = b""
-        delivered = False  # the stream's last event has been relayed whole
-        ends = self.wire.stream_end if stream else ()
-        try:
-            await send({"type": "http.response.start", "status": up.status, "headers": headers})
-            started = True
-            if flight is not None:
-                flight.responded = True
-            async for chunk in up.chunks():
-                if first:
-                    svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
-                    first = False
-                if record_id:
-                    head += chunk
-                    rid = find_response_id(head)
-                    if rid is not None or len(head) >= SCAN_BYTES:
-                        record_id = False
-                        if rid is not None:
-                            await svc.remember_response(rid, up, plan.tenant)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if ends and not delivered and chunk.endswith(b"\n\n") and any(e in chunk for e in ends):
-                    delivered = True
-            watch.done = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not watch.gone and flight is not None and flight.cut and self._drain is not None:
-                # the drain deadline passed: end the stream the way an engine failure does
-                _uncancel(flight.task)
-                status = "503"
-                tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
-                with contextlib.suppress(Exception):
-                    if not started:
-                        flight.responded = True
-                        await send({"type": "http.response.start", "status": 503, "headers": headers})
-                    await send({"type": "http.response.body", "body": tail, "more_body": False})
-                return
-            if not watch.gone:
-                raise
-            if not delivered:
-                status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
-            watch.absorb()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            status = "502"
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            # died or froze: ejected; whether it still listens, the next probe says
-            svc.cluster.record_connect_failure(up.engine, refused=False)
-            log.warning("upstream %s failed mid-response: %r", up.engine, exc)
-            tail = (
-                self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")
-                if stream
-                else b""
-            )
-            with contextlib.suppress(Exception):
-                if not started:
-                    await send({"type": "http.response.start", "status": 502, "headers": headers})
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
-        except OSError:
-            # the server's send() raised (ASGI 2.4: the client connection is closed) before the
-            # disconnect watcher fired: the same outcome
-            if not delivered:
-                status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
-        finally:
-            watch.stop()
-            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
-            svc.metrics.count_request(self.route, status, up.pool, up.engine)
-            await svc.finish(plan, up, status)
+        if edge.claim is not None:
+            edge.claim.owner = body_owner(svc, tenant, scope)
+        await svc.turns.run(self.turn_route, tenant, headers, edge)

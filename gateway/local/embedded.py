@@ -30,7 +30,23 @@ def start_local_engines(
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 240.0,
 ) -> tuple[list[LocalEngine], dict[str, Any]]:
-    """Start the engines; return them and the gateway config (as a dict) that fronts them."""
+    """Start the engines and wait until they are ready; return them and the gateway config (as a
+    dict) that fronts them."""
+    specs, data = plan_local_engines(layout, arch, home, kv_cache_gib, max_model_len, extra_args)
+    return start_engines(specs, timeout_s=timeout_s), data
+
+
+def plan_local_engines(
+    layout: LocalLayout = DEFAULT,
+    arch: str = "llama",
+    home: Path = DEFAULT_HOME,
+    kv_cache_gib: int = 1,
+    max_model_len: int = 32768,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[list[EngineSpec], dict[str, Any]]:
+    """Build the tiny model if it is missing and choose the engines' ports: their specs (nothing
+    started yet) and the gateway config (as a dict) that fronts them, so the gateway can listen
+    while they start (``agentgw serve``)."""
     model_dir = build_tiny_model(home / "models" / SERVED_NAMES[arch], arch)
     ports = free_ports(2 * layout.engines)
     logs = home / "logs"
@@ -50,8 +66,7 @@ def start_local_engines(
                 extra_args=extra_args,
             )
         )
-    engines = start_engines(specs, timeout_s=timeout_s)
-    return engines, config_for(specs, model_dir, layout)
+    return specs, config_for(specs, model_dir, layout)
 
 
 def config_for(specs: list[EngineSpec], model_dir: Path, layout: LocalLayout) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from gateway.config import MigrationConfig
-from gateway.core.planner import ActionKind, MoveState, PlanAction
+from gateway.core.planner import ActionKind, PlanAction
 from gateway.core.sessions import SessionRecord
 from gateway.service.cluster import Cluster
 from gateway.service.metrics import GatewayMetrics
@@ -84,12 +84,12 @@ class MigrationExecutor:
         self.current: dict[str, Migration] = {}
         self._finished: dict[str, None] = {}  # sessions whose `current` entry has finished, oldest first
         self.recent: deque[Migration] = deque(maxlen=MAX_RECENT)
-        self.moves = MoveState()
         self.on_rehome: Callable[[str, str], None] | None = None
-        """Called with (session, target) when a completed move re-homed a session (the placement's
-        home ledger follows it)."""
-        """The planner's move bounds (in flight per engine, rate, dwell): the core's value, kept
-        here and released when a move ends (done, failed or cancelled)."""
+        """Called with (session, target) when a completed move re-homed a session (the routing
+        core's homes follow it)."""
+        self.on_move_end: Callable[[str], None] | None = None
+        """Called with the session when its migration ends (done, failed or cancelled: the routing
+        core's move bounds are freed)."""
 
     def controllable(self, engine: str) -> bool:
         s = self.cluster.engines.get(engine)
@@ -125,7 +125,8 @@ class MigrationExecutor:
         if task is None or task.done():
             return False
         task.cancel()
-        self.moves = self.moves.finished(session_id)
+        if self.on_move_end is not None:
+            self.on_move_end(session_id)
         if m is not None and m.state == "running":
             m.state = "cancelled"
             m.error = reason
@@ -214,8 +215,8 @@ class MigrationExecutor:
         finally:
             if m.state not in ("running", "cancelled"):  # cancel() records a cancelled one
                 self.recent.append(m)
-                if self.current.get(a.session_id) is m:  # not replaced by a newer plan
-                    self.moves = self.moves.finished(a.session_id)
+                if self.current.get(a.session_id) is m and self.on_move_end is not None:
+                    self.on_move_end(a.session_id)  # not replaced by a newer plan
         await self._settle(m)
 
     async def _settle(self, m: Migration) -> None:

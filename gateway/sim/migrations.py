@@ -1,6 +1,7 @@
-"""The inter-turn planner in the simulator: the real :func:`gateway.core.planner.plan_turn` (with
-its move state, and the home ledger's projection of each engine's decode KV at the expected
-return), executed the way ``gateway/service/migrations.py`` executes it, in virtual time.
+"""The inter-turn planner in the simulator: the routing core's :meth:`gateway.core.routing.
+RoutingCore.plan` (the real :func:`gateway.core.planner.plan_turn` with the core's move state and
+its homes' projection of each engine's decode KV at the expected return), executed the way
+``gateway/service/migrations.py`` executes it, in virtual time.
 
 - **When** (``GatewayService._settle`` / ``after_turn``): after each completed request of a
   session (hints on), with the engines' views, the prefix-index matches of the session's last
@@ -16,7 +17,7 @@ return), executed the way ``gateway/service/migrations.py`` executes it, in virt
 - **move / replicate**: a prefetch per target, i.e. what ``POST /v1/kv/prefetch`` does: a
   1-token completion of the session's prefix (its full blocks) on the target, through the target's
   normal scheduler, so the prefix is loaded from the target's host tier / the store at the tier
-  bandwidths (:mod:`benchmarks.sim.tiers`) and only what no tier holds is recomputed; its KV
+  bandwidths (:mod:`gateway.sim.tiers`) and only what no tier holds is recomputed; its KV
   events reach the prefix index. At most ``max_per_engine`` prefetches run per target, the others
   queue (the executor's per-target semaphore). A ``move`` re-homes the session only once its
   prefetch completed, and only if the session is idle and still homed at the source; a new plan
@@ -36,12 +37,13 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from benchmarks.sim.engine import Seq
-from gateway.core.planner import ActionKind, MoveState, PlanAction, PlannerParams, TurnOutcome, plan_turn
+from gateway.core.planner import ActionKind, PlanAction, PlannerParams, TurnOutcome
+from gateway.core.turn import IndexKind
 from gateway.core.types import Decision
+from gateway.sim.engine import Seq
 
 if TYPE_CHECKING:
-    from benchmarks.sim.cluster import RequestRecord, Simulator
+    from gateway.sim.cluster import RequestRecord, Simulator
 
 __all__ = ["SimMigration", "SimMigrations"]
 
@@ -59,7 +61,7 @@ class SimMigration:
 
 
 class SimMigrations:
-    """The planner hook of :class:`benchmarks.sim.cluster.Simulator`."""
+    """The planner hook of :class:`gateway.sim.cluster.Simulator`."""
 
     def __init__(
         self,
@@ -87,8 +89,6 @@ class SimMigrations:
         self.slack_s: list[float] = []
         """For completed moves: gap until the next turn minus the prefetch time."""
         self._moved: dict[str, float] = {}
-        self.moves = MoveState()
-        """The planner's move bounds (in flight per engine, rate, dwell), as the core returns it."""
 
     # -- the hook ------------------------------------------------------------------------------
     def _next_idx(self, sim: Simulator, play_id: str, idx: int) -> int:
@@ -137,17 +137,12 @@ class SimMigrations:
             fan_out=record.fan_out,
             is_subagent=srec.parent is not None,
             block_size=sim.cfg.engine.block_size,
-            next_tokens=sim.homes.next_tokens(sid),
         )
-        sim.homes.expect(sid, now + gap)
-        expected = sim.homes.expected_at(now + gap, p.turn_s, exclude=sid)
         self.cancel(sim, sid, "new_plan")
         self.current.pop(sid, None)
-        action, self.moves = plan_turn(
-            turn, sim.views(), sim.index.match(hashes), p, self.moves, now, expected
-        )
+        action = sim.core.plan(turn, sim._engine_views(), IndexKind.PRECISE, hashes, p, now)
         if self._execute(sim, action, hashes) is None:
-            self.moves = self.moves.finished(sid)
+            sim.core.move_ended(sid)
 
     def on_next_turn(self, sim: Simulator, session_id: str, decision: Decision, play: str, idx: int) -> None:
         self.cancel(sim, session_id, "next_turn_arrived")
@@ -180,7 +175,7 @@ class SimMigrations:
             return
         m.state = "done"
         a = m.action
-        self.moves = self.moves.finished(a.session_id)
+        sim.core.move_ended(a.session_id)
         self.stats[f"{a.kind.value}_done"] += 1
         if a.kind == ActionKind.MOVE:
             self._rehome(sim, a.session_id, a.source, a.targets[0])
@@ -237,7 +232,7 @@ class SimMigrations:
         if m is None or m.state != "running":
             return False
         m.state = "cancelled"
-        self.moves = self.moves.finished(session_id)
+        sim.core.move_ended(session_id)
         self.stats[f"{m.action.kind.value}_cancelled"] += 1
         self.stats[f"cancelled:{reason}"] += 1
         for t, seq in m.pending.items():
@@ -257,7 +252,7 @@ class SimMigrations:
         rec.home = target
         rec.pool = sim.pool_of(target)
         sim.sessions.put(rec)
-        sim.homes.moved(sid, target)
+        sim.core.on_moved(sid, target)
         sim.migrations += 1
         self._moved[sid] = sim.now
 
