@@ -81,15 +81,15 @@ class RoutingParams:
     """The most a ``kv_balance`` move may add to the turn's estimated time to first token (the
     target's uncached tokens x ``prefill_s_per_token`` + its queue x ``queue_s_per_request``,
     against the home's), for fleets where TTFT matters more than decode speed. 0: any move."""
-    knee_output_tokens: int = 30
+    knee_output_tokens: int = 0
     """A ``kv_balance`` move is made only when the decode time it saves over this many output
     tokens (the decode step beyond ``1000 / interactivity_tok_s`` ms, at home less at the target)
     exceeds the TTFT its reload adds (from the cost model: the context the target lacks at
-    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. Far below a typical output on
-    purpose: with the planner moving sessions during their tool gaps (``knee_ahead``), the turns
+    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. Set it far below a typical
+    output when the planner moves sessions during their tool gaps (``knee_ahead``): the turns
     still past the knee at arrival are the ones it could not move, and reloading them while the
     user waits sets the TTFT tail."""
-    overflow_wait_tokens: int = 222
+    overflow_wait_tokens: int = 0
     """A ``kv_overflow`` move (the home cannot hold the turn) is made only when reloading what the
     target lacks (at ``move_bytes_per_s``) takes less than this many decode steps at home: the
     wait for room to free there, about half of AgentX's median output. 0: always move."""
