@@ -35,6 +35,7 @@ import sys
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -44,7 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 def _hit(n: int, tokenizer_dir: str) -> None:
     """In a subprocess whose PYTHONPATH picks the checkout: median CPU ms of a cache hit."""
     from benchmarks.overhead import large_body
-    from gateway.analysis.tokenize import ChatTokenizer
+
+    try:
+        from gateway.analysis.tokenize import ChatTokenizer
+    except ImportError:  # a checkout from before gateway/analysis/
+        from gateway.service.tokenize import ChatTokenizer  # type: ignore[no-redef]
 
     body = orjson.loads(large_body())
     tok = ChatTokenizer(tokenizer_dir, 128, None)
@@ -73,7 +78,6 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import large_body
-    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raw = large_body()
@@ -81,14 +85,15 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
 
     async def go() -> tuple[float, float, float]:
         model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
-        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        # no budget: this measures CPU, and a loaded machine must not turn it into skips
+        an = _analyzer([model], AnalysisConfig.model_validate({"budget_ms": 600_000}))
         try:
             await an.wait_ready()
             for _ in range(5):  # the first fills the worker's cache
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for _ in range(n):
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -103,7 +108,6 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import agentic_bodies
-    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raws = [raw for _, raw in agentic_bodies(sessions, 43)]
@@ -111,12 +115,13 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
 
     async def go() -> tuple[float, float, float]:
         model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
-        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        # no budget: this measures CPU, and a loaded machine must not turn it into skips
+        an = _analyzer([model], AnalysisConfig.model_validate({"budget_ms": 600_000}))
         try:
             await an.wait_ready()
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for raw, body in zip(raws, bodies, strict=True):
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -124,6 +129,23 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     parent, workers, wall = asyncio.run(go())
     n = len(raws)
     print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
+
+
+def _analyzer(models: list[Any], config: Any) -> Any:
+    try:
+        from gateway.analysis import PromptAnalyzer
+    except ImportError:  # a checkout from before gateway/analysis/
+        from gateway.service.analysis import PromptAnalyzer  # type: ignore[no-redef]
+    return PromptAnalyzer(models, config)
+
+
+async def _analyze(an: Any, body: dict[str, Any], raw: bytes) -> Any:
+    """One analysis, no token ids back, through either checkout's interface."""
+    try:
+        from gateway.analysis import AnalysisRequest
+    except ImportError:  # before analyze(AnalysisRequest)
+        return await an.analyze("m", "chat", body, raw=raw, tokens=False)
+    return await an.analyze(AnalysisRequest("m", "chat", body, raw))
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
