@@ -10,7 +10,7 @@ applies the :class:`Write`\\ s that :meth:`on_routed` and :meth:`on_finished` re
 I/O, the clock passed in as ``now``.
 
 A turn, in the gateway (``gateway/service/placement.py``) and in the simulator
-(``benchmarks/sim/cluster.py``) alike::
+(``gateway/sim/cluster.py``) alike::
 
     a = core.on_arrival(turn, index, record, parent, engines, now)   # reads only
     d = core.decide(a)                    # the router; core.owner(a, engine) for a constraint
