@@ -1,5 +1,5 @@
 """`agentgw serve`: config -> (local engines when none are configured) -> create_app -> uvicorn.
-`agentgw plan`: the pool layout a trace asks for, from the simulator (benchmarks/plan.py)."""
+`agentgw plan`: the pool layout a trace asks for, from the simulator (gateway/sim/plan.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
@@ -160,32 +159,18 @@ def layout_routing(layout: LocalLayout, config: GatewayConfig) -> dict[str, Any]
     return {"routing": routing}
 
 
-def _plan_module() -> Any:
-    """benchmarks.plan, from the checkout this package runs from (the simulator is not installed)."""
-    try:
-        import benchmarks.plan as plan
-    except ImportError:
-        root = Path(__file__).resolve().parents[1]
-        if not (root / "benchmarks" / "plan.py").exists():
-            raise
-        sys.path.insert(0, str(root))
-        import benchmarks.plan as plan
-    return plan
-
-
 def _add_plan(sub: Any) -> None:
-    plan = sub.add_parser("plan", help="recommend a pool layout for a trace and fleet (simulator)")
-    try:
-        _plan_module().add_arguments(plan)
-    except ImportError:  # no simulator here: `plan` then says so
-        plan.set_defaults(_no_sim=True)
+    from gateway.sim import plan
+
+    plan.add_arguments(
+        sub.add_parser("plan", help="recommend a pool layout for a trace and fleet (simulator)")
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if getattr(args, "_no_sim", False):
-        print("agentgw plan: needs the simulator (benchmarks/ of the source checkout)", file=sys.stderr)
-        return 2
-    return int(_plan_module().run(args))
+    from gateway.sim import plan
+
+    return int(plan.run(args))
 
 
 def _say(message: str) -> None:

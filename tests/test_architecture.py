@@ -94,3 +94,15 @@ def test_only_the_transport_imports_aiohttp() -> None:
         and any(m == "aiohttp" or m.startswith("aiohttp.") for m in imports(f))
     ]
     assert bad == []
+
+
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """The simulator and ``agentgw plan`` are the package's; benchmark scripts import it."""
+    assert violations(".", {"benchmarks"}) == []
+
+
+def test_the_simulator_drives_the_core_only() -> None:
+    """gateway/sim runs the routing core in virtual time: no service, no edge, no I/O framework."""
+    assert (
+        violations("sim", {"gateway.service", "gateway.api", "asyncio", "httpx", "aiohttp", "fastapi"}) == []
+    )

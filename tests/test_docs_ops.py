@@ -17,9 +17,9 @@ import vllm
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import docs_config
 from gateway.config import load_config
 from gateway.local.mooncake import MooncakeMaster
+from scripts import docs_config
 from tests.conftest import ServedGateway
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def exprs() -> list[tuple[str, str]]:
 def test_the_generated_reference_sections_are_current() -> None:
     for doc in (DOC, CONFIG_DOC):
         text = doc.read_text()
-        assert docs_config.render(text) == text, f"{doc.name}: run python -m gateway.docs_config"
+        assert docs_config.render(text) == text, f"{doc.name}: run python -m scripts.docs_config"
     assert docs_config.main(["--check"]) == 0
 
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import httpx
 
-from benchmarks.sim.cluster import MODEL, SimConfig, simulate
-from benchmarks.sim.traces import Dep, Play, TraceRequest
 from gateway.api.app import create_app
 from gateway.config import load_config
 from gateway.core.router import RoutingParams
 from gateway.core.turn import approx_hashes
-from gateway.protocol import parse_body
 from gateway.service.prompts import prompt_text
+from gateway.sim.cluster import MODEL, SimConfig, simulate
+from gateway.sim.traces import Dep, Play, TraceRequest
+from gateway.wire.openai import parse_body
 
 CHUNK = 512
 WEIGHTS = {

@@ -5,7 +5,7 @@
  *     The canonical CBOR of (parent, tuple(tokens[start:end]), extra), the input of vLLM's
  *     sha256_cbor block hash; `tokens` a buffer of C ints (array("i")), `extra` already CBOR.
  *
- * Encoder(ranks, kind, classes).encode(text) -> list[int]
+ * Encoder(ranks, kind, classes).encode(text) -> list[int]   (.encode_bytes: as array("I") bytes)
  *     Byte-level BPE, as tiktoken's CoreBPE.encode_ordinary: the text is split by a
  *     pre-tokenizer regex (kind 0: GPT-2's; 1: Llama 3's; 2: Qwen 2's, the same with single
  *     digits), hand-written here as a scanner, then each piece's UTF-8 bytes are merged by rank
@@ -201,12 +201,24 @@ typedef struct {
     uint32_t rank;
 } Part;
 
-static int emit(PyObject *out, uint32_t rank) {
-    PyObject *x = PyLong_FromUnsignedLong(rank);
-    if (x == NULL) return -1;
-    int rc = PyList_Append(out, x);
-    Py_DECREF(x);
-    return rc;
+typedef struct {
+    uint32_t *data;
+    size_t len, cap;
+} Ids;
+
+static int emit(Ids *out, uint32_t rank) {
+    if (out->len == out->cap) {
+        size_t cap = out->cap ? out->cap * 2 : 1024;
+        uint32_t *d = PyMem_Realloc(out->data, cap * sizeof(uint32_t));
+        if (d == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        out->data = d;
+        out->cap = cap;
+    }
+    out->data[out->len++] = rank;
+    return 0;
 }
 
 static uint32_t part_rank(const Encoder *e, const unsigned char *s, const Part *parts, size_t np, size_t i) {
@@ -214,7 +226,7 @@ static uint32_t part_rank(const Encoder *e, const unsigned char *s, const Part *
     return NO_RANK;
 }
 
-static int bpe_piece(const Encoder *e, const unsigned char *s, size_t n, PyObject *out, Part *parts) {
+static int bpe_piece(const Encoder *e, const unsigned char *s, size_t n, Ids *out, Part *parts) {
     uint32_t whole = lookup(e, s, n);
     if (whole != NO_RANK) return emit(out, whole);
     if (n == 1) {
@@ -362,21 +374,20 @@ static Py_ssize_t next_llama3(const Text *t, Py_ssize_t i, int max_digits) {
     return spaces(t, i);
 }
 
-static PyObject *Encoder_encode(Encoder *e, PyObject *arg) {
+/* the token ranks of `arg` into `out` (0), or -1 with an exception set */
+static int encode_into(Encoder *e, PyObject *arg, Ids *out) {
     if (!PyUnicode_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "text must be a str");
-        return NULL;
+        return -1;
     }
-    if (PyUnicode_READY(arg) < 0) return NULL;
+    if (PyUnicode_READY(arg) < 0) return -1;
     Text t = {PyUnicode_KIND(arg), PyUnicode_DATA(arg), PyUnicode_GET_LENGTH(arg), e->classes};
     for (Py_ssize_t k = 0; k < t.len; k++) {
         if (cls(&t, k) & C_U) {
             PyErr_SetString(PyExc_ValueError, "a code point this Python's Unicode data does not assign");
-            return NULL;
+            return -1;
         }
     }
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
     size_t cap = 256;
     unsigned char *buf = PyMem_Malloc(cap);
     Part *parts = PyMem_Malloc((cap + 2) * sizeof(Part));
@@ -422,18 +433,44 @@ static PyObject *Encoder_encode(Encoder *e, PyObject *arg) {
     }
     PyMem_Free(buf);
     PyMem_Free(parts);
-    return out;
+    return 0;
 nomem:
     PyErr_NoMemory();
 fail:
     PyMem_Free(buf);
     PyMem_Free(parts);
-    Py_DECREF(out);
-    return NULL;
+    return -1;
+}
+
+static PyObject *Encoder_encode(Encoder *e, PyObject *arg) {
+    Ids ids = {NULL, 0, 0};
+    PyObject *out = NULL;
+    if (encode_into(e, arg, &ids) == 0 && (out = PyList_New((Py_ssize_t)ids.len)) != NULL) {
+        for (size_t i = 0; i < ids.len; i++) {
+            PyObject *x = PyLong_FromUnsignedLong(ids.data[i]);
+            if (x == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, (Py_ssize_t)i, x);
+        }
+    }
+    PyMem_Free(ids.data);
+    return out;
+}
+
+static PyObject *Encoder_encode_bytes(Encoder *e, PyObject *arg) {
+    Ids ids = {NULL, 0, 0};
+    PyObject *out = NULL;
+    if (encode_into(e, arg, &ids) == 0)
+        out = PyBytes_FromStringAndSize((const char *)ids.data, (Py_ssize_t)(ids.len * sizeof(uint32_t)));
+    PyMem_Free(ids.data);
+    return out;
 }
 
 static PyMethodDef Encoder_methods[] = {
     {"encode", (PyCFunction)Encoder_encode, METH_O, "Token ranks of a text without special tokens."},
+    {"encode_bytes", (PyCFunction)Encoder_encode_bytes, METH_O, "encode()'s ranks as array('I') bytes."},
     {NULL, NULL, 0, NULL},
 };
 

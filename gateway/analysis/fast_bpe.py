@@ -34,6 +34,7 @@ import itertools
 import json
 import re
 import unicodedata
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -225,37 +226,49 @@ class FastBPE:
         return out, ""
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-        ids: list[int] = []
+        ids, specials = self.encode_array(text)
+        return ids.tolist(), specials
+
+    def encode_array(self, text: str) -> tuple[array[int], list[tuple[int, int, int]]]:
+        """:meth:`encode` with the ids in an ``array("i")`` (the C encoder's bytes copied in
+        once, no int objects)."""
+        ids = array("i")
         specials: list[tuple[int, int, int]] = []
         pos = 0
         if self._split is not None:
             for m in self._split.finditer(text):
                 if m.start() > pos:
-                    ids += self._ordinary(text[pos : m.start()])
+                    self._ordinary(text[pos : m.start()], ids)
                 tid, special = self._added[m.group()]
                 if special:
                     specials.append((len(ids), m.start(), m.end()))
                 ids.append(tid)
                 pos = m.end()
         if pos < len(text):
-            ids += self._ordinary(text[pos:] if pos else text)
+            self._ordinary(text[pos:] if pos else text, ids)
         return ids, specials
 
-    def _ordinary(self, seg: str) -> list[int]:
+    def _ordinary(self, seg: str, out: array[int]) -> None:
         if self._nfc:
             seg = unicodedata.normalize("NFC", seg)
-        out: list[int]
+        if self._native is not None and self._rank_to_id is None:
+            try:
+                out.frombytes(self._native.encode_bytes(seg))
+                return
+            except ValueError:  # an unassigned code point, a lone surrogate: tiktoken's way
+                pass
+        got: list[int]
         if self._native is not None:
             try:
-                out = self._native.encode(seg)
-            except ValueError:  # an unassigned code point, a lone surrogate: tiktoken's way
-                out = self._core.encode_ordinary(seg)
+                got = self._native.encode(seg)
+            except ValueError:
+                got = self._core.encode_ordinary(seg)
         else:
-            out = self._core.encode_ordinary(seg)
+            got = self._core.encode_ordinary(seg)
         if self._rank_to_id is not None:
             r = self._rank_to_id
-            out = [r[x] for x in out]
-        return out
+            got = [r[x] for x in got]
+        out.extend(got)
 
     def check(self, tokenizer: Any, texts: Iterable[str] = ()) -> str:
         """The start-up check: :meth:`agrees` on :data:`PROBE_TEXTS`, ``texts`` and every

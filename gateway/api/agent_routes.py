@@ -31,9 +31,9 @@ from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints, unknown_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
-from gateway.protocol import ParsedRequest, parse_body
 from gateway.service.gateway import GatewayService
 from gateway.service.tenants import ANONYMOUS, Tenant
+from gateway.wire.openai import ParsedRequest, parse_body
 
 router = APIRouter()
 

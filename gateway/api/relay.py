@@ -24,10 +24,10 @@ from gateway.api.drain import Drain, Flight
 from gateway.api.errors import to_api_error
 from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
-from gateway.protocol import ParsedRequest
 from gateway.service.gateway import GatewayService
 from gateway.service.tenants import Tenant
 from gateway.service.turns import Route
+from gateway.wire.openai import ParsedRequest
 
 Scope = dict[str, Any]
 

@@ -15,9 +15,9 @@ from gateway.api.auth import tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
 from gateway.errors import ApiError
-from gateway.protocol import ParsedRequest
 from gateway.service.responses import RESPONSE_ID
 from gateway.wire import _check
+from gateway.wire.openai import ParsedRequest
 from gateway.wire.responses import parse_responses
 
 __all__ = ["RESPONSES_WIRE", "router"]

@@ -20,7 +20,6 @@ from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
-from gateway.protocol import ParsedRequest
 from gateway.service.admission import Admission
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
@@ -37,6 +36,7 @@ from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
 from gateway.service.turns import Turns
+from gateway.wire.openai import ParsedRequest
 
 __all__ = ["Analysis", "GatewayService", "Relay"]
 

@@ -34,9 +34,9 @@ from gateway.core.hints import (
     unknown_hints,
 )
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
-from gateway.protocol import ParsedRequest
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
+from gateway.wire.openai import ParsedRequest
 
 __all__ = ["AUXILIARY_KINDS", "PromptRead", "Prompts", "without_session"]
 

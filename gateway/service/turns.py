@@ -36,7 +36,6 @@ import httpx
 from gateway.core.hints import HintError
 from gateway.core.types import Decision
 from gateway.errors import ApiError
-from gateway.protocol import ParsedRequest
 from gateway.service.admission import TenantPass
 from gateway.service.errors import DomainError, ResponseNotFound
 from gateway.service.forwarding import Relay
@@ -44,6 +43,7 @@ from gateway.service.placement import Analysis
 from gateway.service.responses import SCAN_BYTES, find_response_id
 from gateway.service.tenants import Tenant
 from gateway.service.usage import count_usage
+from gateway.wire.openai import ParsedRequest
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService

@@ -10,9 +10,9 @@ import httpx
 import orjson
 
 from gateway.config import load_config
-from gateway.protocol import parse_body
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.prompts import Prompts
+from gateway.wire.openai import parse_body
 from tests.conftest import ServedGateway
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

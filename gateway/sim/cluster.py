@@ -1,7 +1,7 @@
 """The discrete-event cluster simulator: plays -> gateway (the real router) -> modeled engines.
 
 Virtual time, one heap of events: a request *arrives* when its dependencies are met (see
-:mod:`benchmarks.sim.traces`) and is routed by the gateway's own routing core
+:mod:`gateway.sim.traces`) and is routed by the gateway's own routing core
 (:class:`gateway.core.routing.RoutingCore`, the object ``gateway/service/placement.py`` drives:
 the real :class:`~gateway.core.router.Router`, the prefix indexes, the homes, the in-flight
 subagents) with the same calls in the same order: ``on_arrival`` with the session's and the
@@ -29,7 +29,7 @@ prefill backlog from the engine model; ``gateway`` gives what the live gateway k
 request is prefilling with its decision's uncached tokens from its dispatch to its first token,
 then decoding until it completes, and the scraped running count bounds decoding from below.
 
-KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
+KV tiers (``tiers``, :mod:`gateway.sim.tiers`): a host tier per engine and a shared store,
 written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
 and their KV events (medium CPU / STORAGE) reach the prefix index.
 
@@ -37,7 +37,7 @@ Planner hook: ``planner.after_turn(sim, record)`` is called after each completed
 the gateway calls its planner (``Placement.after_turn``); ``planner.on_next_turn(...)`` after
 each session request is routed (``MigrationExecutor.on_next_turn``); control requests
 (prefetches, negative ids) submitted with :meth:`Simulator.submit_control` come back through
-``planner.on_control_done``. :class:`benchmarks.sim.migrations.SimMigrations` is the executor.
+``planner.on_control_done``. :class:`gateway.sim.migrations.SimMigrations` is the executor.
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
-from benchmarks.sim.tiers import Tiers, TiersConfig
-from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
 from gateway.core.hints import AgentHints
 from gateway.core.load import InflightLoad, Ticket, merge
 from gateway.core.roles import EngineLoad, RoleController, RoleParams
@@ -59,6 +56,9 @@ from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionTable
 from gateway.core.turn import Turn, index_for, restarts
 from gateway.core.types import Decision, EngineView, Medium, PoolRole
+from gateway.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
+from gateway.sim.tiers import Tiers, TiersConfig
+from gateway.sim.traces import DISPATCH, Play, TraceRequest
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
 
@@ -74,6 +74,9 @@ class SimConfig:
     profile: str = "round_robin"
     hints: bool = False
     """Send the agent hints (session id, parent id, expected tool latency) to the gateway."""
+    tool_latency_hint: bool = True
+    """With ``hints``: send the expected tool latency too (False: the gateway predicts each
+    session's gap from its observed gaps)."""
     lanes: int | None = 16
     speedup: float = 1.0
     routing: RoutingParams | None = None
@@ -323,7 +326,9 @@ class Simulator:
             session_id=sid,
             parent_session_id=parent_id,
             fan_out=(play.subagents.get(r.stream, 0) or None) if cfg.hints else None,
-            expected_tool_latency_ms=round(1000 * r.gap_s / cfg.speedup) if cfg.hints else None,
+            expected_tool_latency_ms=(
+                round(1000 * r.gap_s / cfg.speedup) if cfg.hints and cfg.tool_latency_hint else None
+            ),
         )
         self._seq += 1
         turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)
