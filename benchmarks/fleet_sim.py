@@ -89,6 +89,7 @@ def run_one(
         "loss": fleet.event_loss,
         "scrape_s": fleet.scrape_s,
         "shared_load": fleet.shared_load,
+        "on_gap": fleet.on_gap,
         "index": fleet.index,
         "requests": m.requests,
         "reuse": m.hit_rate,
@@ -178,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--scrapes", default="1", help="engine-gauge scrape periods, seconds (the grid's 4th axis)"
     )
+    ap.add_argument("--on-gap", default="clear", help="clear | keep: a replica's index on a lost batch")
     ap.add_argument(
         "--shared-load", default="0", help="0,1: replicas see only their own in-flight ledger / all"
     )
@@ -216,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _ints(args.shared_load),
         )
         for rep, delay, loss, scrape, shared in itertools.product(*axes):
-            f = FleetConfig(rep, delay, loss, lat, scrape, shared_load=bool(shared))
+            f = FleetConfig(rep, delay, loss, lat, scrape, shared_load=bool(shared), on_gap=args.on_gap)
             r = run(engines, plays, ideal_hits, f)
             print(row(r, best), flush=True)
             (out / "fleet.json").write_text(json.dumps(rows, indent=1))

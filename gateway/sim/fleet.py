@@ -57,6 +57,9 @@ class FleetConfig:
     index: str = "exact"
     """``exact`` | ``tables`` | ``bloom``."""
     seed: int = 0
+    on_gap: str = "clear"
+    """What a replica does when it finds a lost batch: ``clear`` the engine's entries (what
+    gateway/service/kv_events.py does) or ``keep`` them (what the lost batch said is missed)."""
     shared_load: bool = False
     """Every replica sees every replica's in-flight ledger (as if they shared it at once), not
     only its own: what sharing the ledgers would buy."""
@@ -199,8 +202,9 @@ class FleetSimulator(Simulator):
         idx = rep.core.index
         if engine in rep.gap:  # a sequence gap: the engine's entries are not trusted any more
             rep.gap.discard(engine)
-            idx.clear(engine)
-            self.clears += 1
+            if self.fleet.on_gap == "clear":
+                idx.clear(engine)
+                self.clears += 1
         if removed:
             idx.apply_removed(engine, removed)
         if stored:
