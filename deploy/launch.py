@@ -200,7 +200,7 @@ def _require_token(layout: Layout) -> None:
 
 def run_engine(layout: Layout, name: str) -> None:
     from engine_ext.config import kv_transfer_config
-    from gateway.local.engines import EngineSpec, engine_command, engine_env
+    from gateway.local.engines import EngineSpec, engine_command, engine_env, publisher_endpoint
 
     _require_token(layout)
     port = layout.engine_port(name)
@@ -231,7 +231,8 @@ def run_engine(layout: Layout, name: str) -> None:
         raise SystemExit(f"launch: no model at {layout.model_dir} (MODELS_DIR/MODEL)")
     cmd = engine_command(spec)
     i = cmd.index("--kv-events-config") + 1
-    cmd[i] = json.dumps({**json.loads(cmd[i]), "endpoint": f"tcp://{HOST}:{spec.kv_events_port}"})  # not *
+    # bound to HOST only (not *), in the form vLLM binds rather than connects (publisher_endpoint)
+    cmd[i] = json.dumps({**json.loads(cmd[i]), "endpoint": publisher_endpoint(spec.kv_events_port, HOST)})
     _announce(f"http://{HOST}:{port}/health")
     _exec(cmd, engine_env(spec))
 

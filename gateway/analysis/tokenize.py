@@ -49,7 +49,7 @@ from tokenizers import Tokenizer
 
 from gateway.analysis.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
 from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE, _native
-from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
+from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash, salt_keys
 from gateway.errors import ApiError
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
@@ -324,7 +324,7 @@ class ChatTokenizer:
         self.stitch = True
         self.stitch_reason = self._probe_stitch()
         self.stitch = not self.stitch_reason
-        self.stitched = self.stitch_misses = 0
+        self.stitched = self.stitch_misses = self.stitch_checks = 0
         """Whether a turn that extends a cached conversation renders only its new messages
         (:meth:`_stitch`); :attr:`stitch_reason` says why not."""
         if self.stitch_reason:
@@ -639,13 +639,13 @@ class ChatTokenizer:
             # the same sha256 over the same canonical CBOR, encoded in C
             none, sha, cbor = self._none, hashlib.sha256, _native.cbor_block
             for i in range(keep, len(tokens) // bs):
-                extra = _CBOR_NONE if not (i == 0 and salt) else cbor2.dumps((salt,), canonical=True)
+                extra = _CBOR_NONE if not (i == 0 and salt) else cbor2.dumps(salt_keys(salt), canonical=True)
                 parent = sha(cbor(parent or none, tokens, i * bs, (i + 1) * bs, extra)).digest()
                 raw.append(parent)
                 hashes.append(int.from_bytes(parent[24:], "big"))
             return raw, hashes
         for i in range(keep, len(tokens) // bs):
-            extra = (salt,) if (i == 0 and salt) else None
+            extra = salt_keys(salt) if i == 0 else None
             parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
             raw.append(parent)
             hashes.append(external(parent))

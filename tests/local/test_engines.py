@@ -90,7 +90,8 @@ def test_command_enables_prefix_caching_cbor_hashes_and_kv_events(tmp_path: Path
     assert kv == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{s.kv_events_port}",  # loopback, not every interface
+        # loopback, not every interface, in the form vLLM binds (it connects to tcp://127.0.0.1:P)
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{s.kv_events_port}",
         "topic": "kv-events",
     }
     assert cmd[-2:] == ["--seed", "1"]
@@ -109,6 +110,16 @@ def test_command_turns_tool_calling_on_with_the_hermes_parser_unless_told_not_to
     assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
     off = engine_command(spec(tmp_path, tool_call_parser=None))
     assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
+
+
+def test_command_serves_the_aliases_and_loads_the_logits_processors(tmp_path: Path) -> None:
+    plain = engine_command(spec(tmp_path))
+    assert plain[plain.index("--served-model-name") + 1 :][:2] == ["tiny-llama", "--host"]
+    assert "--logits-processors" not in plain
+    cmd = engine_command(spec(tmp_path, served_aliases=("tiny-agent",), logits_processors=("m:Cls",)))
+    i = cmd.index("--served-model-name")
+    assert cmd[i + 1 : i + 3] == ["tiny-llama", "tiny-agent"]
+    assert cmd[cmd.index("--logits-processors") + 1] == "m:Cls"
 
 
 def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
