@@ -5,13 +5,13 @@ after it) and is in the log lines written while the request runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 
 import httpx
 import pytest
 
-from gateway.local.engines import free_ports
 from gateway.service.request_ids import REQUEST_ID, RequestIdFilter, install_log_filter, take_request_id
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
@@ -24,12 +24,23 @@ def _chat(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
 def test_the_id_is_the_clients_or_made_and_comes_back_on_every_response(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    dead = free_ports(1)[0]
-    with fake_engine("--model", "m") as a:
+    # "gone" answers its first probe (an engine never seen up is not routable), then dies
+    # before the requests that find it
+    with contextlib.ExitStack() as gone_engine, fake_engine("--model", "m") as a:
+        dead = gone_engine.enter_context(fake_engine("--model", "m"))
         cfg = {
-            "pools": [{"name": "p", "engines": [{"name": "e0", "url": a, "model": "m"}]}],
-            # a Redis nobody listens on: the first session turn logs the store's outage
-            "sessions": {"backend": "redis", "redis_url": f"redis://127.0.0.1:{dead}/0", "redis_retry_s": 60},
+            "pools": [
+                {
+                    "name": "p",
+                    "engines": [
+                        {"name": "e0", "url": a, "model": "m"},
+                        {"name": "gone", "url": dead, "model": "m"},
+                    ],
+                }
+            ],
+            "routing": {"profile": "round_robin"},
+            "limits": {"eject_after_failures": 100},  # probes leave "gone" in, so a request finds it
+            "timeouts": {"health_interval_s": 30},
         }
         install_log_filter([caplog.handler])
         caplog.set_level(logging.WARNING, logger="agentgw")
@@ -47,16 +58,19 @@ def test_the_id_is_the_clients_or_made_and_comes_back_on_every_response(
             # errors and the admin routes carry it too
             bad = httpx.post(gw.url + "/v1/chat/completions", content=b"{", headers={"x-request-id": "bad-1"})
             assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
-            health = httpx.get(gw.url + "/health", headers={"x-request-id": "h-1"})
-            assert health.headers["x-request-id"] == "h-1"
-            # a log line written while a request runs names it: the session store's outage,
-            # found by the first turn that reads a session
-            caplog.clear()
-            r = _chat(gw.url, {"x-request-id": "session-turn-1", "x-session-id": "s1"})
-            assert r.status_code == 200
-            outage = [rec for rec in caplog.records if "Redis unreachable" in rec.getMessage()]
-            assert outage, [rec.getMessage() for rec in caplog.records]
-            assert {getattr(rec, "request_id", None) for rec in outage} == {"session-turn-1"}
+            assert (
+                httpx.get(gw.url + "/health", headers={"x-request-id": "h-1"}).headers["x-request-id"]
+                == "h-1"
+            )
+            gone_engine.close()
+            # a log line written while a request runs names it: the first request sent to the
+            # dead engine ejected it (and was retried on e0)
+            ids = {f"retry-{i}" for i in range(4)} | {"client-id-1"}
+            for i in range(4):
+                assert _chat(gw.url, {"x-request-id": f"retry-{i}"}).status_code == 200
+            ejected = [rec for rec in caplog.records if "gone" in rec.getMessage()]
+            assert ejected, [rec.getMessage() for rec in caplog.records]
+            assert {getattr(rec, "request_id", None) for rec in ejected} <= ids | {made}
 
 
 def test_take_request_id_and_the_filter() -> None:
