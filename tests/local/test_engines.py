@@ -440,8 +440,9 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         _ts, events, *_ = msgpack.unpackb(payload)
         kinds = {event["type"] if isinstance(event, dict) else event[0] for event in events}
         assert "BlockStored" in kinds, events
-        # the KV events say which prefixes the engine holds: loopback only, like its HTTP port
-        # (checked once an event came: the publisher is bound by then)
+        # the KV events say which prefixes the engine holds: published on loopback only, like
+        # its HTTP port (and bound by the engine: vLLM connects instead for an endpoint without
+        # '*' or '::', and nothing then listens)
         assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
         assert listening_on(s.port) == {"127.0.0.1"}
     finally:
