@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
-from gateway.api.errors import to_api_error
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.service.gateway import GatewayService
@@ -292,9 +292,9 @@ class GenerationEndpoint:
             tenant = svc.tenants.authenticate(headers)
             if edge.declared is not None and edge.declared > edge.limit:
                 raise ApiError(413, f"request body exceeds {edge.limit} bytes", None, "request_too_large")
-        except ApiError as err:
-            svc.metrics.count_request(self.route, str(err.status), "", "")
-            await edge.refuse(err, [])
+        except (ApiError, *SERVICE_ERRORS) as exc:
+            status = await edge.refuse(exc, [])
+            svc.metrics.count_request(self.route, str(status), "", "")
             return
         if edge.claim is not None:
             edge.claim.owner = body_owner(svc, tenant, scope)

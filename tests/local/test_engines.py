@@ -112,6 +112,16 @@ def test_command_turns_tool_calling_on_with_the_hermes_parser_unless_told_not_to
     assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
 
 
+def test_command_serves_the_aliases_and_loads_the_logits_processors(tmp_path: Path) -> None:
+    plain = engine_command(spec(tmp_path))
+    assert plain[plain.index("--served-model-name") + 1 :][:2] == ["tiny-llama", "--host"]
+    assert "--logits-processors" not in plain
+    cmd = engine_command(spec(tmp_path, served_aliases=("tiny-agent",), logits_processors=("m:Cls",)))
+    i = cmd.index("--served-model-name")
+    assert cmd[i + 1 : i + 3] == ["tiny-llama", "tiny-agent"]
+    assert cmd[cmd.index("--logits-processors") + 1] == "m:Cls"
+
+
 def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
     env = engine_env(
         spec(tmp_path, kv_cache_gib=2, extra_env={"OMP_NUM_THREADS": "2"}), base={"PATH": "/bin"}
@@ -398,9 +408,6 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         assert len(members) >= 3  # API server, EngineCore, worker
 
         assert s.kv_events_endpoint is not None
-        # the KV events say which prefixes the engine holds: loopback only, like its HTTP port
-        assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
-        assert listening_on(s.port) == {"127.0.0.1"}
         subscriber.connect(s.kv_events_endpoint)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
         time.sleep(1.0)  # PUB/SUB drops what is published before the subscription lands
@@ -433,6 +440,10 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         _ts, events, *_ = msgpack.unpackb(payload)
         kinds = {event["type"] if isinstance(event, dict) else event[0] for event in events}
         assert "BlockStored" in kinds, events
+        # the KV events say which prefixes the engine holds: loopback only, like its HTTP port
+        # (checked once an event came: the publisher is bound by then)
+        assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
+        assert listening_on(s.port) == {"127.0.0.1"}
     finally:
         subscriber.close(linger=0)
         context.term()
