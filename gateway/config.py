@@ -247,6 +247,10 @@ class SessionsConfig(_Strict):
     """WATCH/MULTI attempts of one update before it gives up with a 503 (busy session)."""
     local_capacity: int = Field(100_000, gt=0)
     """Sessions kept in the replica's local view of a Redis store (used while Redis is down)."""
+    share_load_s: float = Field(0.25, ge=0)
+    """With the Redis backend, how often each replica writes its in-flight requests per engine to
+    Redis and reads the other replicas' (gateway/service/shared_load.py), so it routes on everyone's
+    load between two scrapes of the engines' gauges; 0: off."""
 
 
 def _sha256_digests(v: list[str]) -> list[str]:
