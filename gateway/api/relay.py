@@ -139,6 +139,7 @@ class _AsgiEdge:
 
     __slots__ = (
         "claim",
+        "declared",
         "flight",
         "limit",
         "raw",
@@ -162,6 +163,8 @@ class _AsgiEdge:
     ) -> None:
         self.wire = wire
         self.limit = limit
+        self.declared = declared_length(scope["headers"])
+        """The body's declared length (None: chunked, or not a number)."""
         self.scope = scope
         self.receive = receive
         self.send_ = send
@@ -170,11 +173,6 @@ class _AsgiEdge:
         self.raw: bytes | None = None
         self.stream = False
         self.responded = False
-
-    @property
-    def declared(self) -> int | None:
-        """The body's declared length (None: chunked, or not a number)."""
-        return declared_length(self.scope["headers"])
 
     async def read(self) -> bytes:
         self.raw = await read_body(self.receive, self.limit, self.claim, self.declared)
