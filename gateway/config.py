@@ -35,6 +35,9 @@ class EngineConfig(_Strict):
     name: str = Field(min_length=1, max_length=64)
     url: str
     model: str = Field(min_length=1)
+    aliases: list[str] = Field(default_factory=list)
+    """More names the engine serves the same model under (vLLM's ``--served-model-name`` after
+    the first); requests for any of them are routed here too."""
     kv_events: str | None = None
     """ZMQ endpoint of the engine's KV-event publisher, e.g. ``tcp://127.0.0.1:5557``."""
     control_url: str | None = None

@@ -47,6 +47,7 @@ NOTES: dict[str, str] = {
     "pools[].engines[].name": "Engine name, unique across pools; the `engine` label and the `x-agentgw-engine` header.",
     "pools[].engines[].url": "Base URL of the engine's OpenAI-compatible server (`http://` or `https://`; a trailing `/` is dropped); `/health` and `/metrics` are read there.",
     "pools[].engines[].model": "The served model name; only requests for this model are routed here.",
+    "pools[].engines[].aliases": "More names the engine serves the same model under (vLLM's `--served-model-name` after the first); requests for them are routed here too.",
     "timeouts.connect_s": "TCP connect timeout to an engine (and the wait for a pooled connection).",
     "timeouts.health_interval_s": "Period of the active `/health` probe of every engine.",
     "timeouts.health_timeout_s": "Timeout of one health probe and of one `/metrics` scrape.",

@@ -5,6 +5,12 @@
 ``agentgw plan`` recommends for 3 engines; prefix caching, ``--enforce-eager``, KV events on ZMQ,
 a small KV cache), waits until they are healthy and returns the gateway config for them (its
 pools as the layout says). The caller stops the engines on exit (:func:`stop_all`).
+
+Each engine serves the tiny model under two names: its own (``tiny-llama``) and
+:data:`~gateway.local.agent_script.AGENT_MODEL` (``tiny-agent``), with the scripted decoder loaded
+(``gateway/local/scripted_decoder.py``): a request whose prompt holds an agent script gets the
+script's next step (a tool call, or the answer), so a real harness runs a real agent loop; any
+other request gets the random model's tokens, whichever name it used.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gateway.local.agent_script import AGENT_MODEL, SCRIPTED_DECODER
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.layout import DEFAULT, LocalLayout
 from gateway.local.tiny_model import build_tiny_model
@@ -29,9 +36,12 @@ def start_local_engines(
     max_model_len: int = 32768,
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 240.0,
+    model_dir: Path | None = None,
 ) -> tuple[list[LocalEngine], dict[str, Any]]:
-    """Start the engines; return them and the gateway config (as a dict) that fronts them."""
-    model_dir = build_tiny_model(home / "models" / SERVED_NAMES[arch], arch)
+    """Start the engines; return them and the gateway config (as a dict) that fronts them.
+
+    ``model_dir``: where the tiny model is built (default: under ``home``)."""
+    model_dir = build_tiny_model(model_dir or home / "models" / SERVED_NAMES[arch], arch)
     ports = free_ports(2 * layout.engines)
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -42,6 +52,8 @@ def start_local_engines(
                 name=name,
                 model_dir=model_dir,
                 served_model_name=SERVED_NAMES[arch],
+                served_aliases=(AGENT_MODEL,),
+                logits_processors=(SCRIPTED_DECODER,),
                 port=ports[2 * i],
                 kv_events_port=ports[2 * i + 1],
                 log_path=logs / f"{name}.log",
@@ -58,16 +70,17 @@ def config_for(specs: list[EngineSpec], model_dir: Path, layout: LocalLayout) ->
     """``pools`` and ``models`` for the engines of ``specs`` (one per layout engine, in order)."""
 
     def engine(s: EngineSpec) -> dict[str, Any]:
-        return {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
+        out = {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
+        if s.served_aliases:
+            out["aliases"] = list(s.served_aliases)
+        return out
 
     pools = layout.pools([engine(s) for s in specs])
-    model = {
-        "name": specs[0].served_model_name,
-        "tokenizer": str(model_dir),
-        "block_size": 128,
-        "hash_seed": HASH_SEED,
-    }
-    return {"pools": pools, "models": [model]}
+    names = [specs[0].served_model_name, *specs[0].served_aliases]
+    models = [
+        {"name": n, "tokenizer": str(model_dir), "block_size": 128, "hash_seed": HASH_SEED} for n in names
+    ]
+    return {"pools": pools, "models": models}
 
 
 def stop_all(engines: list[LocalEngine]) -> None:

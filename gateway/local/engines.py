@@ -89,6 +89,11 @@ class EngineSpec:
     num_gpu_blocks_override: int | None = None
     tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER
     """vLLM's parser for the model's tool-call output; None starts the engine without tool calling."""
+    served_aliases: tuple[str, ...] = ()
+    """More names the engine serves the same model under (vLLM's `--served-model-name` after the
+    first), e.g. `tiny-agent` beside `tiny-llama` for scripted agent sessions."""
+    logits_processors: tuple[str, ...] = ()
+    """vLLM v1 logits processors to load (`module:Class`), e.g. the scripted decoder."""
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
     platform: str = "cpu"
@@ -119,6 +124,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
         str(spec.model_dir),
         "--served-model-name",
         spec.served_model_name,
+        *spec.served_aliases,
         "--host",
         HOST,
         "--port",
@@ -143,6 +149,8 @@ def engine_command(spec: EngineSpec) -> list[str]:
         cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     if spec.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
+    if spec.logits_processors:
+        cmd += ["--logits-processors", *spec.logits_processors]
     cmd += list(spec.extra_args)
     ext = _loads_engine_ext(cmd)
     if "--scheduler-cls" not in cmd and ext:

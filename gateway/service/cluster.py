@@ -135,7 +135,10 @@ class Cluster:
         for pool in config.pools:
             for e in pool.engines:
                 self.engines[e.name] = EngineState(
-                    config=e, pool=pool.name, role=PoolRole(pool.role), models=frozenset({e.model})
+                    config=e,
+                    pool=pool.name,
+                    role=PoolRole(pool.role),
+                    models=frozenset({e.model, *e.aliases}),
                 )
         self.pools: dict[str, list[str]] = {p.name: [e.name for e in p.engines] for p in config.pools}
         self._tasks: list[asyncio.Task[None]] = []

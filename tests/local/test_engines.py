@@ -110,6 +110,16 @@ def test_command_turns_tool_calling_on_with_the_hermes_parser_unless_told_not_to
     assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
 
 
+def test_command_serves_the_aliases_and_loads_the_logits_processors(tmp_path: Path) -> None:
+    plain = engine_command(spec(tmp_path))
+    assert plain[plain.index("--served-model-name") + 1 :][:2] == ["tiny-llama", "--host"]
+    assert "--logits-processors" not in plain
+    cmd = engine_command(spec(tmp_path, served_aliases=("tiny-agent",), logits_processors=("m:Cls",)))
+    i = cmd.index("--served-model-name")
+    assert cmd[i + 1 : i + 3] == ["tiny-llama", "tiny-agent"]
+    assert cmd[cmd.index("--logits-processors") + 1] == "m:Cls"
+
+
 def test_env_fixes_the_hash_seed_and_the_cpu_settings(tmp_path: Path) -> None:
     env = engine_env(
         spec(tmp_path, kv_cache_gib=2, extra_env={"OMP_NUM_THREADS": "2"}), base={"PATH": "/bin"}
