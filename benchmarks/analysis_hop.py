@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _hit(n: int, tokenizer_dir: str) -> None:
     """In a subprocess whose PYTHONPATH picks the checkout: median CPU ms of a cache hit."""
     from benchmarks.overhead import large_body
-    from gateway.service.tokenize import ChatTokenizer
+    from gateway.analysis.tokenize import ChatTokenizer
 
     body = orjson.loads(large_body())
     tok = ChatTokenizer(tokenizer_dir, 128, None)
@@ -73,8 +73,8 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import large_body
+    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
-    from gateway.service.analysis import PromptAnalyzer
 
     raw = large_body()
     body = orjson.loads(raw)
@@ -85,10 +85,10 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
         try:
             await an.wait_ready()
             for _ in range(5):  # the first fills the worker's cache
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for _ in range(n):
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -103,8 +103,8 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import agentic_bodies
+    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
-    from gateway.service.analysis import PromptAnalyzer
 
     raws = [raw for _, raw in agentic_bodies(sessions, 43)]
     bodies = [orjson.loads(r) for r in raws]
@@ -116,7 +116,7 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
             await an.wait_ready()
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for raw, body in zip(raws, bodies, strict=True):
-                await an.analyze("m", "chat", body, raw=raw, tokens=False)
+                await an.analyze(AnalysisRequest("m", "chat", body, raw))
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()

@@ -4,6 +4,7 @@
     python -m benchmarks.compare --configs 8x64x10 --policies agentic+hints,precise_prefix
     python -m benchmarks.compare --engine h200-qwen3-32b-fp8 --no-sweep
     python -m benchmarks.compare --with-dynamo         # + Dynamo 1.6.1's own replay, same run
+    python -m benchmarks.compare --trace synth --n 96 --seed 1   # AgentX-shaped plays, seed 1
     python -m benchmarks.compare --configs 8x64x10 --no-sweep --pools 2+6 \
         --policies agentic+hints+recompute,agentic+hints,agentic+hints+planner   # inter-turn migration
 
@@ -436,12 +437,12 @@ def shared_path(rel: str) -> Path:
     return repo / "shared" / rel
 
 
-def load_trace(kind: str, path: str | None, n: int) -> list[Play]:
+def load_trace(kind: str, path: str | None, n: int, seed: int = 0) -> list[Play]:
     if kind == "weka":
         return load_weka(path or shared_path("traces/weka"))
     if kind == "mooncake":
         return load_mooncake(path or shared_path("traces/mooncake/conversation_trace.jsonl"), limit=n or None)
-    return synth_agentx(n or 48, seed=0)
+    return synth_agentx(n or 48, seed=seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -449,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", choices=("weka", "mooncake", "synth"), default="weka")
     ap.add_argument("--trace-path", default=None, help="default: shared/traces/<kind>")
     ap.add_argument("--n", type=int, default=0, help="synth: plays; mooncake: first N requests")
+    ap.add_argument("--seed", type=int, default=0, help="synth: the generator's seed")
     ap.add_argument("--engine", choices=sorted(ENGINES), default="dynamo-mocker")
     ap.add_argument("--configs", default=",".join(ANCHOR_CONFIGS), help="WORKERSxLANESxSPEEDUP,...")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -492,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    plays = load_trace(args.trace, args.trace_path, args.n)
+    plays = load_trace(args.trace, args.trace_path, args.n, args.seed)
     ideal = ideal_hits_by_request(plays)
     print(
         f"trace {args.trace}: {len(plays)} plays, {sum(len(p.requests) for p in plays)} requests; "

@@ -134,10 +134,10 @@ def load_trace(
     return loaded
 
 
-def weka_json(play: Play) -> dict[str, Any]:
+def weka_json(play: Play, scope: str = "local") -> dict[str, Any]:
     """``benchmarks.sim.scale.to_weka`` plus the fields aiperf's Weka schema requires (trace
     ``models``; subagent ``subagent_type``, ``status``, ``models``): readable by both."""
-    d = to_weka(play)
+    d = to_weka(play, scope)
     models = sorted({r.model or "unknown" for r in play.requests})
     d["models"] = models
     d.setdefault("tool_tokens", 0)

@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import Router, RoutingParams
 from gateway.core.types import EngineView, PoolRole, RouteRequest, SessionView, Snapshot
 from gateway.local.tiny_model import build_tiny_model
-from gateway.service.tokenize import ChatTokenizer
 
 CHECKPOINTS = (1_000, 8_000, 32_000, 64_000, 128_000, 200_000)
 WORDS = [

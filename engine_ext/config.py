@@ -30,9 +30,10 @@ def kv_transfer_config(
         "cpu_bytes_to_use": cpu_bytes,
     }
     if control_port is not None:
+        if not control_token or control_token != control_token.strip():
+            raise ValueError("control_port needs a control_token (non-empty, no surrounding spaces)")
         extra["control_port"] = control_port
-        if control_token is not None:
-            extra["control_token"] = control_token
+        extra["control_token"] = control_token
     if engine_url is not None:
         extra["engine_url"] = engine_url
     if mooncake_master is not None:

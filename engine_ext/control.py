@@ -154,6 +154,9 @@ def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
 
 class ControlServer:
     def __init__(self, service: ControlService, host: str, port: int, token: str, max_inflight: int = 8):
+        if not token or token != token.strip():
+            # an empty token matched a bare "Authorization: Bearer": the API was open
+            raise ValueError("control_token must be set (non-empty, no surrounding spaces)")
         self.service = service
         self._token = token.encode()
         self._slots = threading.BoundedSemaphore(max_inflight)
@@ -211,7 +214,7 @@ class ControlServer:
         self, method: str, path: str, auth: str, handler: BaseHTTPRequestHandler
     ) -> tuple[int, dict[str, Any] | str]:
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._token):
+        if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(), self._token):
             return _error(401, "missing or invalid bearer token", "unauthorized")
         body: dict[str, Any] = {}
         if method == "POST":

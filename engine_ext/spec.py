@@ -91,7 +91,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
             ControlService(policy, stats, engine_url=self.extra_config.get("engine_url")),
             host=str(self.extra_config.get("control_host", "127.0.0.1")),
             port=int(self.extra_config["control_port"]),
-            token=str(self.extra_config.get("control_token", "")),
+            token=str(self.extra_config.get("control_token") or ""),  # empty: refused
             max_inflight=int(self.extra_config.get("control_max_inflight", 8)),
         )
         server.start()

@@ -87,8 +87,13 @@ class LimitsConfig(_Strict):
     """Body limit of the session API (``/v1/agent/sessions/...``)."""
     max_buffered_body_bytes: int = Field(1024 * 1024 * 1024, gt=0)
     """Request-body bytes held at once, all requests together (a generation request's until its
-    response ends, the other routes' while they are read); a body that would go past it gets a
-    503 ``overloaded`` with ``Retry-After`` (gateway/api/body_budget.py)."""
+    response ends, the other routes' while they are read), counted as they arrive (never on the
+    declared ``Content-Length``); a body that would go past it gets a 503 ``overloaded`` with
+    ``Retry-After`` (gateway/api/body_budget.py)."""
+    max_buffered_body_bytes_per_tenant: int = Field(256 * 1024 * 1024, gt=0)
+    """The part of ``limits.max_buffered_body_bytes`` one tenant may hold (one client address when
+    no API keys are configured), so one tenant's bodies always leave room for the others'; past it
+    a 429 ``tenant_body_budget`` with ``Retry-After``. At most ``max_buffered_body_bytes``."""
 
 
 class ModelConfig(_Strict):
@@ -104,11 +109,11 @@ class ModelConfig(_Strict):
     fast_bpe: bool = True
     """Encode with tiktoken's byte-level BPE core when it reproduces this tokenizer (checked on
     a probe at start-up and on a sample of live encodes against the tokenizer itself; the first
-    disagreement turns it off), else with ``tokenizers`` (gateway/service/fast_bpe.py)."""
+    disagreement turns it off), else with ``tokenizers`` (gateway/analysis/fast_bpe.py)."""
 
 
 class AnalysisConfig(_Strict):
-    """Prompt analysis (render, tokenize, hash) off the event loop (gateway/service/analysis.py)."""
+    """Prompt analysis (render, tokenize, hash) off the event loop (gateway/analysis/analyzer.py)."""
 
     mode: Literal["process", "thread", "inline"] = "process"
     """process: worker processes; thread: threads; inline: on the event loop (comparisons only)."""
@@ -152,6 +157,14 @@ class RoutingConfig(_Strict):
     the turn; past it the turn stays home past the knee. 0: any move."""
     prefill_s_per_token: float = Field(2e-5, ge=0)
     queue_s_per_request: float = Field(0.05, ge=0)
+    cold_home_no_affinity: bool = RoutingParams().cold_home_no_affinity
+    """A session whose home holds less than half the prompt the best engine holds is re-scored
+    without the home's ``session_affinity`` bonus (``rehome_cold``)."""
+    new_session_load: bool = RoutingParams().new_session_load
+    """A new session that the scores send to an engine for a prefix it holds (a shared system
+    prompt) goes to the engine with the lowest estimated time to first token (uncached tokens
+    x ``prefill_s_per_token`` + queue x ``queue_s_per_request``) when that is lower
+    (``new_session_load``): sessions spread instead of piling onto that engine."""
     split: Literal["cost", "wall"] = "cost"
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
     sides with the engine cost model below (gateway/core/policies/split.py) and the load the

@@ -70,3 +70,16 @@ def test_no_module_level_state_in_api_or_service() -> None:
                     if any(s in src for s in suspicious):
                         bad.append(f"{f.name}: {src}")
     assert bad == []
+
+
+def test_prompt_analysis_is_one_package_behind_one_interface() -> None:
+    """gateway/analysis imports no service or api module, and the rest of the gateway reaches it
+    only through the package itself (``gateway.analysis``: analyze(request) -> Analysis), never
+    its renderer, tokenizer, encoder or workers."""
+    assert violations("analysis", {"gateway.service", "gateway.api"}) == []
+    bad = []
+    for f in ROOT.rglob("*.py"):
+        if f.is_relative_to(ROOT / "analysis"):
+            continue
+        bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports(f) if m.startswith("gateway.analysis.")]
+    assert bad == []

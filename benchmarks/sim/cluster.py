@@ -206,6 +206,7 @@ class Simulator:
         self._rid = 0
         self.records: list[RequestRecord] = []
         self.migrations = 0
+        self.session_restarts = 0
         self.kv_bytes_moved = 0
         self.now = 0.0
         self.plays: dict[str, Play] = {}
@@ -330,6 +331,8 @@ class Simulator:
         turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)
         index = self.indexes[index_for(True, self._kv_events)]
         rec = self.sessions.get(sid, now) if (cfg.hints and sid is not None) else None
+        if pipeline.restarts(rec, turn):
+            self.session_restarts += 1
         parent = self.sessions.get(parent_id, now) if parent_id is not None else None
         req, snap = pipeline.prepare(
             turn,

@@ -64,8 +64,10 @@ def scale_plays(
     return out
 
 
-def to_weka(play: Play) -> dict[str, object]:
-    """A scaled play as a Weka JSON object (subagents nested under their stream, times absolute)."""
+def to_weka(play: Play, scope: str = "local") -> dict[str, object]:
+    """A play as a Weka JSON object (subagents nested under their stream, times absolute).
+    ``scope``: the file's ``hash_id_scope``; ``global`` when its hash ids name the same blocks
+    in other files too (synthetic plays sharing a system prompt)."""
     top: list[dict[str, object]] = []
     subs: dict[str, dict[str, object]] = {}
     for r in play.requests:
@@ -88,4 +90,4 @@ def to_weka(play: Play) -> dict[str, object]:
         inner = subs[r.stream]["requests"]
         assert isinstance(inner, list)
         inner.append(row)
-    return {"id": play.play_id, "block_size": play.block_size, "hash_id_scope": "local", "requests": top}
+    return {"id": play.play_id, "block_size": play.block_size, "hash_id_scope": scope, "requests": top}

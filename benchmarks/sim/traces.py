@@ -137,8 +137,14 @@ class HashChainer:
         return out
 
 
+#: The hash-id namespace of every file whose ``hash_id_scope`` is ``global`` (written by
+#: :mod:`benchmarks.sim.synth`: the plays share a system prompt, so equal ids across files are
+#: equal blocks).
+GLOBAL_SCOPE = "global"
+
+
 def _weka_requests(d: dict, chainer: HashChainer, ns: str) -> tuple[list[TraceRequest], dict[str, int]]:
-    root = chainer.root(ns)
+    root = chainer.root(GLOBAL_SCOPE if d.get("hash_id_scope") == GLOBAL_SCOPE else ns)
     reqs: list[TraceRequest] = []
     last_root: int | None = None  # index of the last root request so far (file order)
     pending_joins: list[tuple[float, int]] = []  # (subagent end, its last request)
@@ -208,7 +214,9 @@ def _weka_requests(d: dict, chainer: HashChainer, ns: str) -> tuple[list[TraceRe
 
 
 def load_weka(path: str | Path, chainer: HashChainer | None = None) -> list[Play]:
-    """Load one Weka/AgentX JSON file or every ``*.json`` of a folder (sorted by name)."""
+    """Load one Weka/AgentX JSON file or every ``*.json`` of a folder (sorted by name). Hash ids
+    name blocks within their file (``hash_id_scope`` ``local``, the Weka traces) or across every
+    file of scope ``global``."""
     p = Path(path)
     files = sorted(p.glob("*.json")) if p.is_dir() else [p]
     chainer = chainer or HashChainer()

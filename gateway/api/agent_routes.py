@@ -5,7 +5,9 @@
   decision with its reasons.
 - ``DELETE /v1/agent/sessions/{id}``: the session is over; its state is released.
 - ``POST /debug/route``: what the router would decide for a request (per-scorer breakdown), with
-  no side effect. ``?endpoint=completions`` for a completions body (default chat). Admin only.
+  no side effect. ``?endpoint=completions`` for a completions body (default chat),
+  ``?tenant=NAME`` to explain that tenant's request (its ids, its cache salt: its own matches
+  only). Admin only.
 
 A tenant's key addresses only its own sessions (ids are namespaced per tenant, see
 gateway/service/tenants.py); an admin key addresses stored ids directly. Bodies are bounded:
@@ -23,14 +25,14 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from gateway.api import anthropic_routes, responses_routes
-from gateway.api.auth import read_body, require_admin, tenant_of
+from gateway.api.auth import read_body, registry, require_admin, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
 from gateway.protocol import ParsedRequest, parse_body
 from gateway.service.gateway import GatewayService
-from gateway.service.tenants import Tenant
+from gateway.service.tenants import ANONYMOUS, Tenant
 
 router = APIRouter()
 
@@ -141,12 +143,18 @@ _PARSERS: dict[str, Callable[[bytes], ParsedRequest]] = {
 async def debug_route(
     request: Request,
     endpoint: Literal["chat", "completions", "messages", "responses"] = Query("chat"),
+    tenant: str | None = Query(None, description="the tenant whose request to explain"),
 ) -> JSONResponse:
     svc = _svc(request)
+    # the request as that tenant's: its session ids, its prefix-cache salt, hence its matches
+    # only (an admin's unsalted dry run matches no tenant's cached prefixes)
+    who = registry(request).tenants.get(tenant) if tenant is not None else ANONYMOUS
+    if who is None:
+        raise ApiError(400, f"no tenant named '{tenant}' is configured", "tenant", "invalid_tenant")
     raw = await read_body(request, svc.config.limits.max_body_bytes)
     parsed = _PARSERS[endpoint](raw)
     try:
-        a = await svc.analyze(parsed, request.headers.raw, dry_run=True)
+        a = await svc.analyze(parsed, request.headers.raw, dry_run=True, tenant=who)
         d = svc.decide(a)
     except SERVICE_ERRORS as exc:
         raise to_api_error(exc) from None
@@ -161,6 +169,7 @@ async def debug_route(
             "matches": {
                 e: {"blocks": m.blocks, "gpu_blocks": m.gpu_blocks} for e, m in a.snapshot.matches.items()
             },
+            "tenant": tenant,
             "hints": hints,
             "hint_sources": a.hints.sources,
             "warning": a.prompt.warning,

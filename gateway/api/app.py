@@ -125,7 +125,10 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
     api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
     api.state.holder = ServiceHolder()
     api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)
-    api.state.bodies = BodyBudget(config.limits.max_buffered_body_bytes, config.limits.retry_after_s)
+    lim = config.limits
+    api.state.bodies = BodyBudget(
+        lim.max_buffered_body_bytes, lim.retry_after_s, lim.max_buffered_body_bytes_per_tenant
+    )
     api.include_router(admin_routes.router)
     api.include_router(agent_routes.router)
     api.include_router(anthropic_routes.router)

@@ -55,8 +55,18 @@ async def require_admin(request: Request) -> None:
     reg.require_admin(request.headers.raw)
 
 
+def body_owner(request: Request) -> str:
+    """Whom a request's body bytes are charged to in the body budget: its tenant, or its client
+    address when no API keys are configured (everyone is the anonymous tenant then)."""
+    reg = registry(request)
+    if reg.open:
+        return "addr:" + (request.client.host if request.client else "")
+    return "tenant:" + reg.authenticate(request.headers.raw).name
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes. Its bytes
+    are claimed from the body budget as they arrive (never on the declared length)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -65,20 +75,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise ApiError(400, "content-length is not a number", None, "invalid_request") from None
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
-    else:
-        size = None
     chunks: list[bytes] = []
     total = 0
     budget: BodyBudget | None = getattr(request.app.state, "bodies", None)
-    claim = budget.claim() if budget is not None else None  # held while the body streams in
+    claim = budget.claim(body_owner(request)) if budget is not None else None
     try:
-        if claim is not None and size is not None:
-            claim.take(size)  # a declared length: claimed whole before a byte is read
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
                 raise ApiError(413, f"request body exceeds {limit} bytes", None, "body_too_large")
-            if claim is not None and chunk and (size is None or total > size):
+            if claim is not None:
                 claim.take(len(chunk))
             chunks.append(chunk)
     finally:

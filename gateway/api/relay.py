@@ -26,9 +26,11 @@ from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
+from gateway.service.admission import TenantPass
 from gateway.service.errors import ResponseNotFound
 from gateway.service.gateway import GatewayService, Plan, Relay
 from gateway.service.responses import SCAN_BYTES, find_response_id
+from gateway.service.tenants import Tenant
 
 log = logging.getLogger("agentgw.api")
 
@@ -85,14 +87,12 @@ async def read_body(
     receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
 ) -> bytes:
     """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
-    (503; the claim holds the bytes until it is released). A ``declared`` length is checked
-    and claimed whole before a byte is read (a client announcing a body that cannot fit is
-    refused at once); a chunked body is claimed as it arrives."""
-    if declared is not None:
-        if declared > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None:
-            claim.take(declared)
+    (429 past the owner's share, 503 past the whole; the claim holds the bytes until it is
+    released). A ``declared`` length past ``limit`` is refused before a byte is read; bytes are
+    claimed as they arrive, never on the declared length (a client announcing 32 MiB and
+    sending one byte holds one byte)."""
+    if declared is not None and declared > limit:
+        raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -103,11 +103,20 @@ async def read_body(
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-        if claim is not None and chunk and (declared is None or size > declared):
+        if claim is not None and chunk:
             claim.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def body_owner(svc: GatewayService, tenant: Tenant, scope: Scope) -> str:
+    """Whom the body's bytes are charged to (gateway/api/body_budget.py): the tenant, or the
+    client's address when no API keys are configured."""
+    if svc.tenants.open:
+        client = scope.get("client")
+        return "addr:" + (client[0] if client else "")
+    return "tenant:" + tenant.name
 
 
 async def wait_disconnect(receive: Any) -> None:
@@ -217,11 +226,45 @@ class GenerationEndpoint:
     ) -> None:
         wire = self.wire
         t0 = time.perf_counter()
+        headers = scope["headers"]
+        try:
+            tenant = svc.tenants.authenticate(headers)
+            limit = svc.config.limits.max_body_bytes
+            declared = declared_length(headers)
+            if declared is not None and declared > limit:
+                raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+            # the tenant's concurrency and rate limits before a byte of the body is read (its
+            # tokens estimated from the declared length, settled once analysed): a refused
+            # request costs its headers, not a read, a parse and an analysis
+            entered = svc.admission.enter(tenant, (declared or 0) // 4)
+        except ApiError as err:
+            svc.metrics.count_request(self.route, str(err.status), "", "")
+            # the body is unread: close the connection rather than read and discard it
+            await send_error(send, err, [(b"connection", b"close")], render=wire.render_error)
+            return
+        try:
+            if claim is not None:
+                claim.owner = body_owner(svc, tenant, scope)
+            await self._turn(svc, scope, receive, send, flight, claim, tenant, entered, t0)
+        finally:
+            entered.leave()
+
+    async def _turn(
+        self,
+        svc: GatewayService,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        flight: Flight | None,
+        claim: Claim | None,
+        tenant: Tenant,
+        entered: TenantPass,
+        t0: float,
+    ) -> None:
+        wire = self.wire
         raw: bytes | None = None
         try:
-            tenant = svc.tenants.authenticate(scope["headers"])
-            limit = svc.config.limits.max_body_bytes
-            raw = await read_body(receive, limit, claim, declared_length(scope["headers"]))
+            raw = await read_body(receive, svc.config.limits.max_body_bytes, claim)
             await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
             parsed = wire.parse(raw)
             plan = await svc.plan(parsed, raw, scope["headers"], tenant)
@@ -230,31 +273,44 @@ class GenerationEndpoint:
         except (ApiError, *SERVICE_ERRORS) as exc:
             err = exc if isinstance(exc, ApiError) else to_api_error(exc)
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            # refused before its body was read (401, 413, the body budget's 503): close the
+            # refused before its body was read (the body budget's 429/503): close the
             # connection rather than read and discard the rest of the body to keep it alive
             unread = [(b"connection", b"close")] if raw is None else None
             await send_error(send, err, unread, render=wire.render_error)
             return
         interactive = plan.analysis.hints.interactive
+        # the client may leave while the request waits for a slot: it must then never reach
+        # an engine (watched from here on, not only once the engine is being reached)
+        watch = _Watch(receive)
         async with contextlib.AsyncExitStack() as admitted:
             try:
-                # the tenant's limits and the gateway's, then the engine's; interactive turns first
+                # the gateway's limits (the tenant's were checked before the body), then the
+                # engine's; interactive turns first
                 await admitted.enter_async_context(
-                    svc.admission.admit(tenant, interactive, plan.analysis.request.prompt_tokens)
+                    svc.admission.admit(
+                        tenant, interactive, plan.analysis.request.prompt_tokens, entered=entered
+                    )
                 )
                 await admitted.enter_async_context(
                     svc.admission.engine_slot(plan.decision.engine, interactive)
                 )
             except ApiError as err:
+                watch.stop()
                 await svc.abandon(plan)
                 svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
                 await send_error(send, err, plan.extra_headers, wire.render_error)
                 return
             except asyncio.CancelledError:
+                if watch.gone:  # the client left while queued: never sent
+                    watch.absorb()
+                    svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
+                    await svc.abandon(plan)
+                    return
+                watch.stop()
                 if flight is not None and flight.cut:
                     await svc.abandon(plan)
                 raise
-            await self._serve(svc, plan, parsed, t0, receive, send, flight)
+            await self._serve(svc, plan, parsed, t0, send, flight, watch)
 
     async def _serve(
         self,
@@ -262,12 +318,11 @@ class GenerationEndpoint:
         plan: Plan,
         parsed: ParsedRequest,
         t0: float,
-        receive: Any,
         send: Any,
         flight: Flight | None,
+        watch: _Watch,
     ) -> None:
         wire = self.wire
-        watch = _Watch(receive)
         try:
             up = await svc.open(
                 plan.decision,

@@ -71,6 +71,11 @@ class RoutingParams:
     docs/benchmarks_sim.md)."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
+    cold_home_no_affinity: bool = True
+    """A home judged cold (``rehome_cold``) is re-scored without its ``session_affinity`` bonus."""
+    new_session_load: bool = True
+    """A new session's shared-prefix pull is priced against the queue it builds
+    (``new_session_load``): it goes where its estimated time to first token is lowest."""
     split: str = "cost"
     """``cost``: work-conserving first-turn / warm split (policies/split.py); ``wall``: the
     fixed ``first_turn_threshold_tokens`` filter. ``cost`` reads the engine views' ``decoding``
@@ -159,6 +164,8 @@ def _agentic(p: RoutingParams) -> Profile:
             p.queue_s_per_request,
             decode_kv_high=engine_cost(p).decode_knee(p.interactivity_tok_s),
             move_max_s=p.knee_move_max_s or float("inf"),
+            affinity_weight=_w(p, "session_affinity", 2.0) if p.cold_home_no_affinity else 0.0,
+            spread_new=p.new_session_load,
         ),
     )
 

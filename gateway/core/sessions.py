@@ -46,6 +46,9 @@ class SessionRecord:
     last_decision: dict[str, Any] | None = None
     model: str | None = None
     """The model of the session's last turn (its prefix hashes are that model's)."""
+    first_hash: int | None = None
+    """The last prompt's first block hash (``prefix_hashes`` keeps only the last MAX_HASHES):
+    a turn that does not start with it shares no prefix with the last one."""
 
     def add_child(self, child: str) -> None:
         if child not in self.children:
@@ -71,6 +74,7 @@ class SessionRecord:
             "ended": self.ended,
             "last_decision": self.last_decision,
             "model": self.model,
+            "first_hash": self.first_hash,
         }
 
     @classmethod
@@ -85,6 +89,7 @@ class SessionRecord:
         self.last_activity = now
         self.context_tokens = context_tokens
         self.prefix_hashes = hashes[-MAX_HASHES:] if len(hashes) > MAX_HASHES else list(hashes)
+        self.first_hash = hashes[0] if hashes else None
 
     def expected_gap(self) -> float | None:
         """The hinted gap, else the median observed gap, else None."""

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any
 
 from gateway.core.hints import AgentHints
-from gateway.core.sessions import SessionRecord
+from gateway.core.sessions import MAX_HASHES, SessionRecord
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, SessionView, Snapshot
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "owner_decision",
     "place",
     "prepare",
+    "restarts",
     "settle",
 ]
 
@@ -61,11 +62,15 @@ def index_for(exact: bool, kv_events: bool) -> IndexKind:
     return IndexKind.PRECISE if exact and kv_events else IndexKind.APPROX
 
 
-def approx_hashes(text: str, chunk_chars: int) -> list[int]:
+def approx_hashes(text: str, chunk_chars: int, salt: str | None = None) -> list[int]:
     """A hash chain over fixed-size chunks of the prompt text (a partial last chunk is not
     hashed): ``d_i = BLAKE2b-64(d_{i-1} + utf8(chunk_i))``, ``d_{-1} = b""``, each hash
     ``d_i`` read big-endian. Stable across processes and replicas (not Python's per-process
     ``hash``), so records shared through Redis mean the same thing on every replica.
+
+    ``salt`` (a tenant's prefix-cache salt) starts the chain at ``d_{-1} = BLAKE2b-64(salt)``,
+    as vLLM's ``cache_salt`` enters its first block hash: the same text under two salts shares
+    no hash, so one tenant's matches never reveal what another sent.
 
     One pass: an ASCII text (characters = bytes) is encoded once and hashed through memoryview
     slices; the digests are read as integers in one ``struct`` call at the end."""
@@ -75,7 +80,7 @@ def approx_hashes(text: str, chunk_chars: int) -> list[int]:
     b2 = hashlib.blake2b
     digests: list[bytes] = []
     push = digests.append
-    prev = b""
+    prev = b"" if salt is None else b2(b"agentgw-approx-salt\0" + salt.encode(), digest_size=8).digest()
     if text.isascii():
         data = memoryview(text.encode("ascii"))
         for i in range(0, n, chunk_chars):
@@ -105,6 +110,21 @@ class Turn:
     seq: int = 0
 
 
+def restarts(record: SessionRecord | None, turn: Turn) -> bool:
+    """Whether ``turn`` restarts its session: the session has a completed turn of the same model
+    and the new prompt shares no block with that turn's prompt (a client that reuses a session id
+    for an unrelated conversation). A restarted session is placed as a new one: no home, no
+    turns, no history. Prompts shorter than a block say nothing (no hashes on either side)."""
+    if record is None or record.ended or record.turns == 0 or not turn.hashes:
+        return False
+    if record.model is not None and record.model != turn.model:
+        return False  # another model's hashes are not comparable
+    first = record.first_hash
+    if first is None and 0 < len(record.prefix_hashes) < MAX_HASHES:
+        first = record.prefix_hashes[0]  # a record written before first_hash, not truncated
+    return first is not None and turn.hashes[0] != first
+
+
 def prepare(
     turn: Turn,
     record: SessionRecord | None,
@@ -118,7 +138,7 @@ def prepare(
     session-less turn; an ended record counts as none), ``parent`` the parent session's."""
     h = turn.hints
     sid = h.session_id
-    if record is not None and record.ended:
+    if record is not None and (record.ended or restarts(record, turn)):
         record = None
     view = None
     if sid is not None:
@@ -185,7 +205,7 @@ def place(record: SessionRecord | None, decision: Decision, turn: Turn, now: flo
     """The session's record once the turn is placed: its new home, one more turn in flight."""
     h = turn.hints
     assert h.session_id is not None, "place() is for session turns"
-    if record is None or record.ended:
+    if record is None or record.ended or restarts(record, turn):
         record = SessionRecord(h.session_id, created=now, last_activity=now)
     record.home, record.pool = decision.engine, decision.pool
     record.model = turn.model

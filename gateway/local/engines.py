@@ -141,7 +141,9 @@ def engine_command(spec: EngineSpec) -> list[str]:
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{spec.kv_events_port}",
+            # loopback like every other socket the engine opens here: the events say which
+            # prefixes the engine holds, readable by anyone who can connect
+            "endpoint": f"tcp://{HOST}:{spec.kv_events_port}",
             "topic": KV_EVENTS_TOPIC,
         }
         cmd += ["--kv-events-config", json.dumps(kv_events)]

@@ -1,7 +1,10 @@
 """Admission control: bounded in-flight work per tenant, for the gateway and per engine, with a
 bounded priority wait queue in front of the global and per-engine limits.
 
-Order of checks in :meth:`Admission.admit` (nothing is consumed unless all pass):
+The tenant's checks come first, before the request's body is read (:meth:`Admission.enter`,
+with the tokens estimated from the declared ``Content-Length``; :meth:`Admission.admit` settles
+them with the analysed count): a rate-limited tenant's refused request costs a header parse,
+not a body read, a parse and an analysis. Order of checks (nothing is consumed unless all pass):
 
 1. the tenant's ``max_concurrent`` (its requests admitted or waiting) -> 429 ``tenant_concurrency``;
 2. the tenant's ``requests_per_s`` token bucket -> 429 ``tenant_rate_limited``;
@@ -186,6 +189,23 @@ class _TenantState:
 
 
 @dataclass(slots=True)
+class TenantPass:
+    """A request counted against its tenant's limits (:meth:`Admission.enter`) until
+    :meth:`leave`: its concurrency, its request, and ``tokens`` estimated tokens."""
+
+    tenant: Tenant
+    state: _TenantState
+    tokens: int
+    left: bool = False
+
+    def leave(self) -> None:
+        """The request is over (idempotent)."""
+        if not self.left:
+            self.left = True
+            self.state.inflight -= 1
+
+
+@dataclass(slots=True)
 class Ticket:
     """An admitted request (what :meth:`Admission.admit` yields)."""
 
@@ -233,16 +253,44 @@ class Admission:
         return s.inflight if s else 0
 
     # -- admitting -----------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def admit(self, tenant: Tenant, interactive: bool = True, tokens: int = 0) -> AsyncIterator[Ticket]:
-        """Hold a global slot for the body of the ``async with`` (raises AdmissionRejected)."""
+    def enter(self, tenant: Tenant, tokens: int = 0) -> TenantPass:
+        """Count a request against its tenant's limits before its body is read: its concurrency
+        (held until :meth:`TenantPass.leave`), its request, ``tokens`` estimated tokens. Raises
+        AdmissionRejected (429) past one of them."""
         ts = self._tenant(tenant)
         self._check_tenant(tenant, ts, tokens)
         ts.inflight += 1
+        return TenantPass(tenant, ts, tokens)
+
+    def settle(self, entered: TenantPass, tokens: int) -> None:
+        """The request's tokens are known (analysed): debit the difference from the estimate
+        (a refund when it was lower; never a rejection now)."""
+        bucket = entered.state.tokens
+        if bucket is not None and tokens != entered.tokens:
+            bucket.refill(self.clock())
+            bucket.level = min(bucket.capacity, bucket.level - (tokens - entered.tokens))
+        entered.tokens = tokens
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self,
+        tenant: Tenant,
+        interactive: bool = True,
+        tokens: int = 0,
+        entered: TenantPass | None = None,
+    ) -> AsyncIterator[Ticket]:
+        """Hold a global slot for the body of the ``async with`` (raises AdmissionRejected).
+        ``entered``: the request already passed its tenant's checks (:meth:`enter`); its
+        estimate is settled with ``tokens``. Else they are made here."""
+        own = entered is None
+        if entered is None:
+            entered = self.enter(tenant, tokens)
+        else:
+            self.settle(entered, tokens)
         ticket = Ticket(tenant.name, interactive)
         try:
             ticket.waited = await self._acquire(self.global_slots, interactive, "gateway_busy", "the gateway")
-            ts.admitted += 1
+            entered.state.admitted += 1
             self.stats.admitted += 1
             try:
                 yield ticket
@@ -250,7 +298,8 @@ class Admission:
                 self.global_slots.release()
                 self._gauge()
         finally:
-            ts.inflight -= 1
+            if own:
+                entered.leave()
 
     @contextlib.asynccontextmanager
     async def engine_slot(self, engine: str, interactive: bool = True) -> AsyncIterator[None]:

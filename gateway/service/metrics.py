@@ -131,6 +131,12 @@ class GatewayMetrics:
             ["reason", "outcome"],
             registry=r,
         )
+        self.session_restarts = Counter(
+            "agentgw_session_restarts",
+            "Sessions placed as new because the turn shared no prefix with the session's last turn "
+            "(a session id reused for an unrelated conversation)",
+            registry=r,
+        )
         self.analysis_skipped = Counter(
             "agentgw_analysis_skipped",
             "Requests routed on the approximate index because exact prompt analysis was skipped",

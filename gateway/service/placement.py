@@ -155,6 +155,8 @@ class Placement:
         sid = h.session_id
         if sid is None:
             return
+        if pipeline.restarts(a.record, turn):
+            self.metrics.session_restarts.inc()
         if sid in self.migrations.current:
             frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
             self.migrations.on_next_turn(sid, d.engine, frac)

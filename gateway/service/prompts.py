@@ -23,11 +23,11 @@ from dataclasses import dataclass, replace
 
 import orjson
 
+from gateway.analysis import Analysis, AnalysisRequest, AnalysisSkipped, PromptAnalyzer
 from gateway.config import GatewayConfig
 from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
 from gateway.protocol import ParsedRequest
-from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
 
@@ -136,7 +136,7 @@ class Prompts:
         remembering the session's tokens. A prompt that cannot be analysed exactly in time (or
         at all: it depends on state held by the engine) is hashed approximately, and counted."""
         hints, warning = self.hints(parsed, headers, tenant)
-        info = None
+        info: Analysis | None = None
         if not parsed.exact:
             if self.exact_for(parsed.model):
                 self.metrics.count_analysis_skipped("engine_state")
@@ -144,16 +144,16 @@ class Prompts:
             body, raw = (parsed.body, parsed.raw) if parsed.prompt is None else (parsed.prompt, None)
             sid = None if dry_run or not self.keeps_tokens else hints.session_id
             try:
-                info = await self.analyzer.analyze(
-                    parsed.model, parsed.kind, body, sid, raw=raw, tokens=sid is not None
-                )
+                info = await self.analyzer.analyze(AnalysisRequest(parsed.model, parsed.kind, body, raw, sid))
             except AnalysisSkipped:
                 info = None  # counted by the analyzer
         if info is not None:
-            n_tokens, hashes = info.num_tokens, info.hashes
-            block_size = self.analyzer.block_sizes[parsed.model]
+            n_tokens, hashes, block_size = info.num_tokens, info.hashes, info.block_size
         else:
-            hashes = approx_hashes(prompt_text(parsed), self.config.routing.approx_chunk_chars)
+            # in the tenant's namespace like the exact hashes (salted through cache_salt):
+            # a match on another tenant's text would tell the caller what that tenant sent
+            chunk = self.config.routing.approx_chunk_chars
+            hashes = approx_hashes(prompt_text(parsed), chunk, tenant.cache_salt)
             n_tokens = parsed.text_chars // 4
             block_size = max(1, self.config.routing.approx_chunk_chars // 4)
         exact = info is not None

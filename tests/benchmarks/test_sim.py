@@ -366,3 +366,38 @@ def test_capacity_at_the_slo_is_the_largest_lane_count_meeting_both_bounds():
     _, cap = compare.capacity_table(sweep, 1000.0, 50.0)
     assert (cap["precise_prefix"]["lanes"], cap["ours"]["lanes"], cap["ours"]["tpgs"]) == (8, 16, 2.5)
     assert cap["ours"]["ratio"] == 2.0
+
+
+def test_synthetic_plays_are_seeded_and_round_trip_through_weka_json(tmp_path):
+    from benchmarks.sim.synth import main as synth_main
+
+    a, again, other = synth_agentx(4, seed=1), synth_agentx(4, seed=1), synth_agentx(4, seed=2)
+    assert [len(p.requests) for p in a] == [len(p.requests) for p in again]
+    assert [r.input_tokens for p in a for r in p.requests] == [
+        r.input_tokens for p in again for r in p.requests
+    ]
+    assert [r.input_tokens for p in a for r in p.requests] != [
+        r.input_tokens for p in other for r in p.requests
+    ]
+    assert synth_main(["--n", "4", "--seed", "1", "--out", str(tmp_path)]) == 0
+    b = load_weka(tmp_path)
+    # the shared system prompt survives (one hash namespace for global-scope files)
+    assert ideal_hit_rate(b) == ideal_hit_rate(a)
+    assert b[0].requests[0].hashes[:10] == b[1].requests[0].hashes[:10]
+    for p, q in zip(a, b, strict=True):
+        assert (p.play_id, p.subagents) == (q.play_id, q.subagents)
+        for r, s in zip(p.requests, q.requests, strict=True):
+            assert (r.stream, r.input_tokens, r.output_tokens, len(r.hashes)) == (
+                s.stream,
+                s.input_tokens,
+                s.output_tokens,
+                len(s.hashes),
+            )
+            assert r.gap_s == pytest.approx(s.gap_s)
+            key = lambda d: (d.on, d.trigger)  # noqa: E731
+            assert [(d.on, d.trigger) for d in sorted(r.deps, key=key)] == [
+                (d.on, d.trigger) for d in sorted(s.deps, key=key)
+            ]
+            assert [d.delay_s for d in sorted(r.deps, key=key)] == pytest.approx(
+                [d.delay_s for d in sorted(s.deps, key=key)]
+            )

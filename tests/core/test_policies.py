@@ -462,3 +462,135 @@ def test_the_knee_with_the_batch_and_context_terms(capacity_tokens: int, expecte
     )
     d = Router(p).route(r, snap)
     assert (d.engine, d.reason) == expected
+
+
+# -- placement defects a real client found ---------------------------------------------------------
+
+
+# a prompt of 36 blocks of 64 tokens (2,304); "b" holds 30 of them (0.83)
+def client_route(
+    engines: list[EngineView],
+    held: dict[str, int],
+    home: str | None,
+    session: str | None = "s",
+    subagent: bool = False,
+    **params: object,
+) -> tuple[str, str]:
+    view = SessionView("s", home=home, pool="warm", turns=3, context_tokens=0) if home else None
+    matches = {k: PrefixMatch(v, v, float(v)) for k, v in held.items()}
+    r = RouteRequest(
+        model="m", prompt_tokens=64 * 36, block_size=64, session_id=session, is_subagent=subagent
+    )
+    p = RoutingParams(profile="agentic", **params)  # type: ignore[arg-type]
+    d = Router(p).route(r, Snapshot(engines=tuple(engines), matches=matches, session=view))
+    return d.engine, d.reason
+
+
+@pytest.mark.parametrize(
+    ("engines", "held", "flag", "expected", "why"),
+    [
+        (
+            [eng("a"), eng("b", running=1)],
+            {"b": 30},
+            True,
+            ("b", "rehome_cold"),
+            "a cold home (0 of 36 blocks) re-scored without its affinity bonus: b's 0.83 prefix wins",
+        ),
+        (
+            [eng("a"), eng("b", running=1)],
+            {"b": 30},
+            False,
+            ("a", "rehome_cold"),
+            "as first built: a (affinity 2 + queue 1 + kv 0.5 = 3.5) beat b (2.5 + 0 + 0.5 = 3.0)",
+        ),
+        (
+            [eng("a"), eng("b", running=1), eng("c")],
+            {"a": 1, "b": 30},
+            True,
+            ("b", "rehome_cold"),
+            "1 block at home < half of b's 30: cold, and without the bonus b still wins",
+        ),
+        (
+            [eng("a"), eng("b", running=1)],
+            {"a": 20, "b": 30},
+            True,
+            ("a", "sticky"),
+            "20 of b's 30 is warm enough: the home keeps the turn",
+        ),
+    ],
+)
+def test_a_cold_home_loses_its_affinity_bonus(engines, held, flag, expected, why) -> None:  # type: ignore[no-untyped-def]
+    got = client_route(engines, held, home="a", interactivity_tok_s=0.0, cold_home_no_affinity=flag)
+    assert got == expected, why
+
+
+@pytest.mark.parametrize(
+    ("engines", "held", "session", "subagent", "flag", "expected", "why"),
+    [
+        (
+            [eng("a"), eng("b")],
+            {"a": 30},
+            "s",
+            False,
+            True,
+            ("a", "new_session"),
+            "the engine with the shared system prompt and an empty queue: the prefix pull holds",
+        ),
+        (
+            [eng("a", running=1), eng("b")],
+            {"a": 30},
+            "s",
+            False,
+            True,
+            ("b", "new_session_load"),
+            "one request queued there (50 ms) costs more than the 1,920 tokens it saves (38 ms)",
+        ),
+        (
+            [eng("a", running=3), eng("b", running=1), eng("c", running=2)],
+            {"a": 30},
+            "s",
+            False,
+            True,
+            ("b", "new_session_load"),
+            "of the engines without the prefix, the shortest queue",
+        ),
+        (
+            [eng("a", running=3), eng("b")],
+            {"a": 30},
+            "s",
+            False,
+            False,
+            ("a", "new_session"),
+            "as first built: the prefix pull wins whatever the queue",
+        ),
+        (
+            [eng("a", running=3), eng("b")],
+            {"a": 30},
+            None,
+            False,
+            True,
+            ("a", "prefix"),
+            "a request without a session is not a new session: the scores decide",
+        ),
+        (
+            [eng("a", running=1), eng("b")],
+            {"b": 0},
+            "s",
+            False,
+            True,
+            ("b", "new_session"),
+            "no prefix anywhere: the scores decide (the queue)",
+        ),
+    ],
+)
+def test_new_sessions_spread_by_expected_load(engines, held, session, subagent, flag, expected, why) -> None:  # type: ignore[no-untyped-def]
+    got = client_route(
+        engines,
+        held,
+        home=None,
+        session=session,
+        subagent=subagent,
+        interactivity_tok_s=0.0,
+        new_session_load=flag,
+    )
+    assert got == expected, why

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from engine_ext.config import kv_transfer_config
 from engine_ext.control import ControlServer, ControlService
 
 TOKEN = "s3cret"
@@ -82,3 +84,27 @@ def test_pin_unpin_evict_are_idempotent(server: str) -> None:
     assert call(server, "POST", "/v1/kv/unpin", session_id="s").json()["unpinned"] is True
     assert call(server, "POST", "/v1/kv/unpin", session_id="s").json()["unpinned"] is False
     assert call(server, "POST", "/v1/kv/evict", session_id="s").json()["demoted_chunks"] == 3
+
+
+@pytest.mark.parametrize("token", ["", " padded "])
+def test_the_control_api_never_runs_without_a_token(token: str) -> None:
+    """An empty token matched a bare ``Authorization: Bearer``: the API was open to anyone who
+    could reach the port. Now neither the server nor the engine's config can be built without one."""
+    with pytest.raises(ValueError, match="control_token"):
+        ControlServer(ControlService(FakePolicy(), lambda: {}), "127.0.0.1", 0, token)
+    with pytest.raises(ValueError, match="control_token"):
+        kv_transfer_config(1 << 20, control_port=1, control_token=token or None)
+
+
+@pytest.mark.parametrize("auth", [b"Bearer", b"Bearer ", b"bearer  ", b""])
+def test_a_bare_bearer_is_refused(server: str, auth: bytes) -> None:
+    port = int(server.rsplit(":", 1)[1])
+    head = b"GET /v1/kv/stats HTTP/1.1\r\nHost: x\r\n"
+    if auth:
+        head += b"Authorization: " + auth + b"\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + b"Connection: close\r\n\r\n")
+        answer = b""
+        while part := s.recv(65536):
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 401") or answer.startswith(b"HTTP/1.0 401"), answer[:80]

@@ -99,6 +99,32 @@ async def test_token_rate_with_debt_from_completion_tokens() -> None:
         pass
 
 
+async def test_tenant_limits_are_checked_on_entry_and_the_token_estimate_settled_after() -> None:
+    """The relay enters a request before reading its body (tokens estimated from its declared
+    length) and settles the estimate with the analysed count: a refund or a further debit,
+    never a rejection at that point."""
+    clock = Clock()
+    adm = make(clock, max_inflight=10)
+    t = Tenant("acme", tokens_per_s=100, burst_s=1, max_concurrent=1, requests_per_s=10)
+    entered = adm.enter(t, tokens=400)  # estimate past the bucket: admitted (never starved)
+    assert adm.tenant_inflight(t) == 1
+    with pytest.raises(AdmissionRejected) as e:
+        adm.enter(t)  # its concurrency is held from entry, before any body is read
+    assert e.value.code == "tenant_concurrency"
+    async with adm.admit(t, tokens=150, entered=entered):  # analysed: 150, 250 refunded
+        assert adm.tenant_inflight(t) == 1
+    assert adm.tenant_inflight(t) == 1  # admit does not give back what enter took
+    entered.leave()
+    entered.leave()  # idempotent
+    assert adm.tenant_inflight(t) == 0
+    bucket = adm.tenants["acme"].tokens
+    assert bucket is not None and bucket.level == pytest.approx(-50)
+    with pytest.raises(AdmissionRejected) as e:
+        adm.enter(t, tokens=1)
+    assert (e.value.code, e.value.retry_after) == ("tenant_token_rate_limited", 1)
+    assert adm.tenant_inflight(t) == 0  # a refused entry holds nothing
+
+
 async def test_full_gateway_queues_then_503_when_the_queue_is_full() -> None:
     adm = make(max_inflight=1, max_queue=1, retry_after_s=3)
     release, order = asyncio.Event(), []

@@ -76,8 +76,9 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
     assert httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
     assert _held(gw) == 0  # an answered request gave its bytes back
 
-    # a client announces 3/4 of the budget and sends a third of that: all of it is claimed
-    hog = _half_body(gw, "/v1/chat/completions", 3 * BUDGET // 4, BUDGET // 4)
+    # a client announces the whole budget and sends 3/4 of it: what it sent is claimed (the
+    # declared length is not: announcing costs nothing, so it must hold nothing)
+    hog = _half_body(gw, "/v1/chat/completions", BUDGET, 3 * BUDGET // 4)
     try:
         _wait_held(gw, 3 * BUDGET // 4)
         big = "x" * (BUDGET // 2)
@@ -88,7 +89,7 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
         )
         assert r.status_code == 503 and r.headers["retry-after"], r.text
         assert r.json()["error"]["code"] == "overloaded", r.text
-        assert r.headers["connection"] == "close"  # refused before its body was read
+        assert r.headers["connection"] == "close"  # refused before all its body was read
         msgs = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": big}]}
         r = httpx.post(gw.url + "/v1/messages", json=msgs, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"], r.text
@@ -112,7 +113,7 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
     _wait_held(gw, 0)  # the client left mid-body: its bytes given back
 
     # the session API's bodies take from the same budget
-    hog = _half_body(gw, "/v1/chat/completions", BUDGET - 16_384, 1024)
+    hog = _half_body(gw, "/v1/chat/completions", BUDGET, BUDGET - 16_384)
     try:
         _wait_held(gw, BUDGET - 16_384)
         r = httpx.post(

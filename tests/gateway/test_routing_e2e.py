@@ -13,8 +13,8 @@ import openai
 import pytest
 import zmq
 
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.local.engines import HASH_SEED, start_engines
-from gateway.service.tokenize import ChatTokenizer
 from tests.conftest import MODEL, ServedGateway, cluster_config, engine_metric, engine_specs, wait_ready
 
 pytestmark = pytest.mark.engine

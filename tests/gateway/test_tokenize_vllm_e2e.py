@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.analysis import AnalysisRequest, PromptAnalyzer
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.core.block_hash import hash_tokens
 from gateway.local.engines import HASH_SEED, LocalEngine, start_engines
-from gateway.service.analysis import PromptAnalyzer
-from gateway.service.tokenize import ChatTokenizer
 from tests.conftest import MODEL, engine_specs
 from tests.gateway.test_routing_e2e import collect_events, drain, stored_hashes
 
@@ -137,11 +137,11 @@ async def test_analyzer_workers_and_kv_event_hashes_equal_vllms(
     try:
         await an.wait_ready()
         for body in bodies()[:4]:
-            info = await an.analyze(MODEL, "chat", body)
+            info = await an.analyze(AnalysisRequest(MODEL, "chat", body, tokens=True))
             assert info is not None
             assert list(info.tokens) == vllm_ids(engine, body)
         body = bodies()[3]
-        info = await an.analyze(MODEL, "chat", body)
+        info = await an.analyze(AnalysisRequest(MODEL, "chat", body, tokens=True))
         assert info is not None and len(info.hashes) >= 3
     finally:
         await an.aclose()

@@ -4,6 +4,7 @@ processes, fast), and one real vLLM engine on the tiny Llama (slow, marked `engi
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 import sys
@@ -89,7 +90,7 @@ def test_command_enables_prefix_caching_cbor_hashes_and_kv_events(tmp_path: Path
     assert kv == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{s.kv_events_port}",
+        "endpoint": f"tcp://127.0.0.1:{s.kv_events_port}",  # loopback, not every interface
         "topic": "kv-events",
     }
     assert cmd[-2:] == ["--seed", "1"]
@@ -356,6 +357,24 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
+def listening_on(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    out = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in list(f)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(addr)
+                    if width == 8:
+                        out.add(str(ipaddress.IPv4Address(raw[::-1])))
+                    else:  # four little-endian 32-bit words
+                        words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                        out.add(str(ipaddress.IPv6Address(words)))
+    return out
+
+
 def metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
@@ -388,6 +407,9 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         assert len(members) >= 3  # API server, EngineCore, worker
 
         assert s.kv_events_endpoint is not None
+        # the KV events say which prefixes the engine holds: loopback only, like its HTTP port
+        assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
+        assert listening_on(s.port) == {"127.0.0.1"}
         subscriber.connect(s.kv_events_endpoint)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
         time.sleep(1.0)  # PUB/SUB drops what is published before the subscription lands

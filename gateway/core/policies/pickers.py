@@ -23,7 +23,10 @@
   exists and the move adds at most ``move_max_s`` to the turn's estimated time to first token
   (the estimate below: the uncached tokens the target lacks and its queue; a move that would
   reload a long context costs the turn more TTFT than the decode speed it protects is worth);
-  a turn too big to stay under anywhere keeps its home. The same two checks apply to a
+  a turn too big to stay under anywhere keeps its home. A cold home is re-scored without its
+  ``session_affinity`` bonus (``affinity_weight``, the profile's weight): otherwise a home that
+  holds nothing of the prompt outscores an engine that holds most of it, as a live client
+  showed (score 4.5 with 0 cached tokens over 4.0 with 83% cached). The same two checks apply to a
   request without a home: when the best-scored engine cannot hold it, the cheapest that can
   wins (``kv_overflow``: without it a 373K-token turn of an AgentX-shaped play was placed by
   its prefix on an engine that could not hold it and preempted itself 7,223 times in the
@@ -34,7 +37,12 @@
   queue_s_per_request`` with ``uncached_e = prompt_tokens - cached_e`` and leave home only for a
   candidate whose estimate is lower than home's (reason ``sticky_overflow``). A home that the
   filters removed (unhealthy, saturated, or of the other pool role) gives ``rehome``; without a
-  home the best weighted total wins (``subagent_parent`` or ``new_session``).
+  home the best weighted total wins (``subagent_parent`` or ``new_session``), except that a new
+  session pulled to an engine by the prefix it holds (a shared system prompt and tools) goes to
+  the engine with the lowest estimated time to first token (the estimate above, among engines
+  where it stays under the knee) when that is lower (``new_session_load``, ``spread_new``):
+  the prefix saved is priced against the queue the pull has built (a live client's sessions
+  otherwise piled 69 of 90 requests onto the one engine of three that held the system prompt).
 - ``cache_aware(balance_abs, balance_rel, cache_threshold)``: SGLang router's policy. If the
   load is imbalanced (``q_max - q_min > balance_abs`` and ``q_max > balance_rel * q_min``) pick the
   shortest queue (``load``); else if the best prefix match covers more than ``cache_threshold`` of
@@ -111,6 +119,11 @@ class StickyBounded:
     kv_high: float = 1.0
     decode_kv_high: float = 1.0
     move_max_s: float = float("inf")
+    affinity_weight: float = 0.0
+    """The ``session_affinity`` scorer's weight in the profile: a home judged cold is re-scored
+    without it (0: the totals as scored)."""
+    spread_new: bool = True
+    """Price a new session's shared-prefix pull against the queue it builds (``new_session_load``)."""
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
@@ -167,6 +180,43 @@ class StickyBounded:
         )
         return Pick(target, "kv_balance")
 
+    def _rescore_cold(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Candidate:
+        """The best total once the cold home's ``session_affinity`` bonus is taken out (with it,
+        a home holding nothing can outscore an engine holding most of the prompt)."""
+        w = self.affinity_weight
+        if w == 0:
+            return MaxScore().pick(req, snap, candidates).candidate
+        key = _tiebreak_key(req)
+        return max(
+            candidates,
+            key=lambda c: (
+                round(c.total - w * c.scores.get("session_affinity", 0.0), 9),
+                stable_hash(key + c.engine),
+            ),
+        )
+
+    def _spread_new(
+        self, req: RouteRequest, snap: Snapshot, top: Candidate, candidates: Sequence[Candidate]
+    ) -> Pick | None:
+        """``new_session_load``: a new session (no home, not a subagent following its parent) that
+        the scores send to an engine for the prefix it holds (a shared system prompt and tools)
+        goes instead to the engine with the lowest estimated time to first token when that one
+        is cheaper: the prefix saved is priced against the queue the pull has built. None to
+        keep ``top``."""
+        if not self.spread_new or req.session_id is None or len(candidates) < 2:
+            return None
+        top_cached = _cached_tokens(req, snap, top.engine)
+        if top_cached <= 0:
+            return None
+        views = {e.name: e for e in snap.engines}
+        high = min(self.kv_high, self.decode_kv_high)
+        room = [c for c in candidates if c is top or _fits(views[c.engine], req, high)]
+        cost = {c.engine: self._cost(req, snap, c.engine) for c in room}
+        best = min(room, key=lambda c: (cost[c.engine], -c.total))
+        if cost[best.engine] < cost[top.engine] and _cached_tokens(req, snap, best.engine) < top_cached:
+            return Pick(best, "new_session_load")
+        return None
+
     def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
         home = snap.session.home if snap.session else None
         by_name = {c.engine: c for c in candidates}
@@ -175,7 +225,7 @@ class StickyBounded:
             best = max((m.blocks for m in snap.matches.values()), default=0)
             held = snap.matches[home].blocks if home in snap.matches else 0
             if best > 0 and held < self.warm_frac * best:
-                return Pick(MaxScore().pick(req, snap, candidates).candidate, "rehome_cold")
+                return Pick(self._rescore_cold(req, snap, candidates), "rehome_cold")
             overflow = self._overflow(req, snap, views, by_name[home], candidates)
             if overflow is not None:
                 return overflow
@@ -202,6 +252,9 @@ class StickyBounded:
             return Pick(top.candidate, "rehome")
         if req.is_subagent and top.candidate.scores.get("parent_prefix", 0.0) > 0:
             return Pick(top.candidate, "subagent_parent")
+        spread = self._spread_new(req, snap, top.candidate, candidates)
+        if spread is not None:
+            return spread
         if req.session_id is not None and top.reason in (SCORE_REASON, "only"):
             return Pick(top.candidate, "new_session")
         return top

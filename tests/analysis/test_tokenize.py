@@ -14,9 +14,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.analysis.tokenize import ChatTokenizer, Unsupported
 from gateway.core.block_hash import hash_tokens
 from gateway.errors import ApiError
-from gateway.service.tokenize import ChatTokenizer, Unsupported
 
 JSON = {"content-type": "application/json"}
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 60
@@ -226,7 +226,7 @@ def test_content_format_detection_agrees_with_vllm(tiny_llama: Path) -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
     from vllm.renderers.hf import _detect_content_format
 
-    from gateway.service.chat_render import content_format
+    from gateway.analysis.chat_render import content_format
 
     templates = [
         (tiny_llama / "chat_template.jinja").read_text(),

@@ -10,11 +10,11 @@ request never waits behind a 200K-token first turn. Each lane runs on its own wo
 
 - ``process`` (the default): worker processes (``spawn``), each reached through its own socket
   pair that the event loop reads directly, with no thread in the gateway
-  (:class:`~gateway.service.analysis_worker.AnalysisWorker`), one :class:`ChatTokenizer` per
+  (:class:`~gateway.analysis.worker.AnalysisWorker`), one :class:`ChatTokenizer` per
   model in each. Large-lane workers run at a lower CPU priority (``nice``), so the event loop
   and the small lane preempt them. A request
   goes to the worker picked by the content key of its first message
-  (:func:`~gateway.service.tokenize.affinity_key`), so the content-keyed cache of that worker
+  (:func:`~gateway.analysis.tokenize.affinity_key`), so the content-keyed cache of that worker
   holds the conversation's earlier turns and every session sharing its system prompt; when that
   worker's backlog is full, the least-loaded one. The worker gets the request's raw JSON bytes
   (parsed there, ``cache_salt`` set from the gateway's copy of the body: a tenant's salt replaces
@@ -44,17 +44,56 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import orjson
 
+from gateway.analysis.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
+from gateway.analysis.worker import AnalysisWorker, Spec, WorkerDied, analyse
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.errors import ApiError
-from gateway.service.analysis_worker import AnalysisWorker, Spec, WorkerDied, analyse
-from gateway.service.metrics import GatewayMetrics
-from gateway.service.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
 
-__all__ = ["AnalysisSkipped", "PromptAnalyzer", "prompt_chars"]
+__all__ = ["Analysis", "AnalysisRequest", "AnalysisSkipped", "PromptAnalyzer", "SkipCounter", "prompt_chars"]
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisRequest:
+    """What prompt analysis reads of a parsed request."""
+
+    model: str
+    kind: str
+    """``chat`` (a ``messages`` body) or ``completion`` (a ``prompt`` body)."""
+    body: dict[str, Any]
+    """The parsed body (the gateway's copy: its ``cache_salt`` is the one that counts)."""
+    raw: bytes | None = None
+    """The request's JSON bytes, of which ``body`` is the parse (``cache_salt`` aside): a worker
+    process gets these instead of a serialization of ``body``."""
+    session_id: str | None = None
+    """Keep the prompt's token ids under this session (:meth:`PromptAnalyzer.session_tokens`)."""
+    tokens: bool = False
+    """Whether :attr:`Analysis.tokens` is wanted (implied by ``session_id``); else a worker process
+    sends back only the counts and block hashes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Analysis:
+    """A prompt's exact tokens and vLLM block hashes."""
+
+    num_tokens: int
+    hashes: list[int]
+    """External (64-bit) vLLM block hashes of the prompt's full blocks."""
+    block_size: int
+    encoded_tokens: int
+    """Tokens encoded for this request (the rest came from the content-keyed cache)."""
+    tokens: Sequence[int] = ()
+    """The prompt's token ids when asked for (:attr:`AnalysisRequest.tokens`), else maybe empty."""
+
+
+class SkipCounter(Protocol):
+    """Where skipped analyses are counted (the gateway's metrics)."""
+
+    def count_analysis_skipped(self, reason: str) -> None: ...
 
 
 class AnalysisSkipped(Exception):
@@ -155,7 +194,7 @@ class PromptAnalyzer:
         self,
         models: Sequence[ModelConfig],
         config: AnalysisConfig,
-        metrics: GatewayMetrics | None = None,
+        metrics: SkipCounter | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -214,26 +253,14 @@ class PromptAnalyzer:
             self.metrics.count_analysis_skipped(key)
         return AnalysisSkipped(reason)
 
-    async def analyze(
-        self,
-        model: str,
-        kind: str,
-        body: dict[str, Any],
-        session_id: str | None = None,
-        *,
-        raw: bytes | None = None,
-        tokens: bool = True,
-    ) -> PromptInfo | None:
-        """Exact tokens and block hashes of a request; None when the model has no tokenizer.
-        Raises :class:`AnalysisSkipped` (route approximately) or :class:`ApiError` (a 400).
-
-        ``raw``: the request's JSON bytes, of which ``body`` is the parse (``cache_salt`` aside:
-        the body's wins); a worker process gets these instead of a serialized ``body``.
-        ``tokens``: whether the answer needs the token ids (else a worker process sends back only
-        the counts and block hashes, and :attr:`PromptInfo.tokens` may be empty); a
-        ``session_id``'s token ids are kept (:meth:`session_tokens`) when they come back."""
-        if model not in self.models:
-            return None
+    async def analyze(self, req: AnalysisRequest) -> Analysis:
+        """The exact tokens and block hashes of a request. Raises :class:`AnalysisSkipped` (route
+        approximately: no tokenizer for the model, not reproducible exactly, no time) or
+        :class:`ApiError` (a 400: the template rejects the body)."""
+        model, kind, body = req.model, req.kind, req.body
+        bs = self.block_sizes.get(model)
+        if bs is None:
+            raise AnalysisSkipped("no_tokenizer")  # not counted: nothing was skipped
         cfg = self.config
         chars = prompt_chars(kind, body)
         if cfg.mode == "inline" or chars < cfg.inline_chars:
@@ -242,10 +269,11 @@ class PromptAnalyzer:
             except Unsupported as exc:
                 raise self._skip(f"unsupported: {exc.reason}") from None
         else:
-            info = await self._offload(model, kind, body, chars, raw, tokens or session_id is not None)
-        if session_id is not None:
-            self._remember(session_id, info.tokens)
-        return info
+            keep = req.tokens or req.session_id is not None
+            info = await self._offload(model, kind, body, chars, req.raw, keep)
+        if req.session_id is not None:
+            self._remember(req.session_id, info.tokens)
+        return Analysis(info.num_tokens, info.hashes, bs, info.encoded_tokens, info.tokens)
 
     async def _offload(
         self, model: str, kind: str, body: dict[str, Any], chars: int, raw: bytes | None, keep: bool

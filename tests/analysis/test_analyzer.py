@@ -12,17 +12,30 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.analysis import Analysis, AnalysisRequest, AnalysisSkipped, PromptAnalyzer
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.config import AnalysisConfig, ModelConfig
 from gateway.errors import ApiError
-from gateway.service.analysis import AnalysisSkipped, PromptAnalyzer
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.tokenize import ChatTokenizer
 
 SYSTEM = "You are a careful agent. " * 200
 
 
 def body(user: str, n: int = 1) -> dict[str, Any]:
     return {"messages": [{"role": "system", "content": SYSTEM * n}, {"role": "user", "content": user}]}
+
+
+async def analyze(
+    an: PromptAnalyzer,
+    model: str,
+    kind: str,
+    body: dict[str, Any],
+    session_id: str | None = None,
+    *,
+    raw: bytes | None = None,
+    tokens: bool = True,
+) -> Analysis:
+    return await an.analyze(AnalysisRequest(model, kind, body, raw, session_id, tokens))
 
 
 def models(tiny_llama: Path) -> list[ModelConfig]:
@@ -43,7 +56,7 @@ async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: st
         await an.wait_ready()
         ref = ChatTokenizer(tiny_llama, 128, "0")
         for b in (body("small"), body("large " * 500)):
-            info = await an.analyze("m", "chat", b, session_id="s")
+            info = await analyze(an, "m", "chat", b, session_id="s")
             assert info is not None
             want = ref.prompt_info("chat", b)
             assert (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
@@ -51,14 +64,16 @@ async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: st
         # a turn extending the previous one is incremental inside the worker too
         nxt = body("large " * 500)
         nxt["messages"] += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go on"}]
-        info = await an.analyze("m", "chat", nxt)
+        info = await analyze(an, "m", "chat", nxt)
         assert info is not None and info.encoded_tokens < 20
-        assert await an.analyze("plain", "chat", body("x")) is None  # no tokenizer for this model
+        with pytest.raises(AnalysisSkipped) as skip:  # no tokenizer for this model (not counted)
+            await analyze(an, "plain", "chat", body("x"))
+        assert skip.value.reason == "no_tokenizer"
         with pytest.raises(ApiError) as err:
-            await an.analyze("m", "chat", {**body("x"), "tools": [{"type": "function", "function": {}}]})
+            await analyze(an, "m", "chat", {**body("x"), "tools": [{"type": "function", "function": {}}]})
         assert err.value.status == 400 and err.value.param == "tools[0].function.name"
         with pytest.raises(AnalysisSkipped) as skip:
-            await an.analyze("m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
+            await analyze(an, "m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
         assert skip.value.reason.startswith("unsupported")
         assert an.skipped == {"unsupported": 1}
         assert b'agentgw_analysis_skipped_total{reason="unsupported"} 1.0' in metrics.render()
@@ -73,21 +88,21 @@ async def test_a_full_backlog_and_a_spent_budget_skip_to_the_approximate_index(t
     try:
         await an.wait_ready()
         big = [body(f"q{i}", n=150) for i in range(4)]  # ~150K tokens each: the large lane
-        tasks = [asyncio.create_task(an.analyze("m", "chat", b)) for b in big]
+        tasks = [asyncio.create_task(analyze(an, "m", "chat", b)) for b in big]
         done = await asyncio.gather(*tasks, return_exceptions=True)
         assert any(d is not None and not isinstance(d, BaseException) for d in done)
         backlog = [d for d in done if isinstance(d, AnalysisSkipped)]
         assert backlog and all(d.reason.startswith("backlog") for d in backlog)
         # the small lane is not blocked by the large one, and tiny prompts never leave the loop
-        assert await an.analyze("m", "chat", {"messages": [{"role": "user", "content": "hello " * 800}]})
-        assert await an.analyze("m", "chat", {"messages": [{"role": "user", "content": "hi"}]})
+        assert await analyze(an, "m", "chat", {"messages": [{"role": "user", "content": "hello " * 800}]})
+        assert await analyze(an, "m", "chat", {"messages": [{"role": "user", "content": "hi"}]})
         assert an.tokenizers["m"].cached_entries == 1
     finally:
         await an.aclose()
     an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="thread", budget_ms=1, small_chars=1000))
     try:
         with pytest.raises(AnalysisSkipped) as skip:
-            await an.analyze("m", "chat", body("x", n=100))
+            await analyze(an, "m", "chat", body("x", n=100))
         assert skip.value.reason == "budget" and an.skipped == {"budget": 1}
         await asyncio.sleep(0)
         # the skipped work went on and warmed the cache: the same prompt again is a cache hit
@@ -104,7 +119,7 @@ async def test_a_full_backlog_and_a_spent_budget_skip_to_the_approximate_index(t
 async def test_session_tokens_are_bounded_by_bytes(tiny_llama: Path) -> None:
     an = PromptAnalyzer(models(tiny_llama), AnalysisConfig(mode="inline", session_tokens_bytes=40_000))
     for i in range(10):
-        await an.analyze("m", "chat", body(f"user {i}", n=2), session_id=f"s{i}")
+        await analyze(an, "m", "chat", body(f"user {i}", n=2), session_id=f"s{i}")
     kept = [i for i in range(10) if an.session_tokens(f"s{i}") is not None]
     assert kept and kept[-1] == 9 and kept[0] > 0
     an.forget("s9")
@@ -120,15 +135,15 @@ async def test_workers_get_raw_bytes_and_send_token_ids_only_when_asked(tiny_lla
         b = body("raw " * 400)
         raw = orjson.dumps({**b, "cache_salt": "client"})
         salted = {**b, "cache_salt": "tenant"}  # the gateway's copy: the tenant's salt replaced it
-        info = await an.analyze("m", "chat", salted, raw=raw, tokens=False)
+        info = await analyze(an, "m", "chat", salted, raw=raw, tokens=False)
         want = ref.prompt_info("chat", salted)
         assert info is not None and info.hashes == want.hashes and info.num_tokens == want.num_tokens
         assert info.hashes != ref.prompt_info("chat", {**b, "cache_salt": "client"}).hashes
         assert list(info.tokens) == []  # not asked for: not sent back
-        info = await an.analyze("m", "chat", b, raw=raw, tokens=True)  # the salt removed
+        info = await analyze(an, "m", "chat", b, raw=raw, tokens=True)  # the salt removed
         want = ref.prompt_info("chat", b)
         assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
-        info = await an.analyze("m", "chat", b, "s", raw=orjson.dumps(b), tokens=False)
+        info = await analyze(an, "m", "chat", b, "s", raw=orjson.dumps(b), tokens=False)
         assert an.session_tokens("s") == list(want.tokens)  # a session keeps them: sent back
     finally:
         await an.aclose()
@@ -139,9 +154,9 @@ async def test_mid_sized_prompts_use_the_thread_lane(tiny_llama: Path) -> None:
     an = PromptAnalyzer(models(tiny_llama), cfg)
     try:
         await an.wait_ready()
-        assert await an.analyze("m", "chat", body("mid " * 500))  # ~7K chars: thread lane
+        assert await analyze(an, "m", "chat", body("mid " * 500))  # ~7K chars: thread lane
         assert an.tokenizers["m"].cached_entries == 1  # the in-process tokenizer did it
-        assert await an.analyze("m", "chat", body("big " * 6000))  # ~29K chars: a worker process
+        assert await analyze(an, "m", "chat", body("big " * 6000))  # ~29K chars: a worker process
         assert an.tokenizers["m"].cached_entries == 1
     finally:
         await an.aclose()
@@ -152,7 +167,7 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
     carries their place), one slot per request the backlog admits; a larger body goes through
     the socket (in several writes: more than its buffer); every answer equals the tokenizer's
     and every slot comes back."""
-    from gateway.service import analysis_worker as analysis
+    from gateway.analysis import worker as analysis
 
     cfg = AnalysisConfig(mode="process", thread_chars=0, workers=1, small_workers=1, budget_ms=600_000)
     an = PromptAnalyzer(models(tiny_llama), cfg)
@@ -165,7 +180,7 @@ async def test_large_bodies_reach_the_worker_through_shared_memory(tiny_llama: P
         assert all(analysis.ARENA_MIN_BYTES <= len(r) <= analysis.ARENA_SLOT_BYTES for r in raws[:-1])
         assert len(raws[-1]) > analysis.ARENA_SLOT_BYTES
         infos = await asyncio.gather(
-            *(an.analyze("m", "chat", b, raw=r, tokens=True) for b, r in zip(bodies, raws, strict=True))
+            *(analyze(an, "m", "chat", b, raw=r, tokens=True) for b, r in zip(bodies, raws, strict=True))
         )
         for b, info in zip(bodies, infos, strict=True):
             want = ref.prompt_info("chat", b)
@@ -214,7 +229,7 @@ async def test_a_worker_killed_mid_request_fails_it_cleanly_and_is_restarted(tin
         old_pid = worker.pid
         assert old_pid is not None
         b = body("doomed", n=150)  # ~750 KB of JSON: through the arena
-        task = asyncio.create_task(an.analyze("m", "chat", b, raw=orjson.dumps(b)))
+        task = asyncio.create_task(analyze(an, "m", "chat", b, raw=orjson.dumps(b)))
         await _until(lambda: large.backlog[0] == 1)
         os.kill(old_pid, signal.SIGKILL)
         with pytest.raises(AnalysisSkipped) as skip:
@@ -227,7 +242,7 @@ async def test_a_worker_killed_mid_request_fails_it_cleanly_and_is_restarted(tin
         await an.wait_ready()
         assert worker.pid not in (None, old_pid)
         nxt = body("next", n=150)
-        info = await an.analyze("m", "chat", nxt, raw=orjson.dumps(nxt))
+        info = await analyze(an, "m", "chat", nxt, raw=orjson.dumps(nxt))
         want = ref.prompt_info("chat", nxt)
         assert info is not None and (list(info.tokens), info.hashes) == (list(want.tokens), want.hashes)
         await _until(lambda: _reaped(old_pid))  # the dead worker is not left a zombie
@@ -246,7 +261,7 @@ async def test_shutdown_stops_every_worker_and_fails_what_is_in_flight(tiny_llam
     pids = [w.pid for w in workers]
     assert len(workers) == 2 and None not in pids
     big = body("in flight", n=150)
-    task = asyncio.create_task(an.analyze("m", "chat", big, raw=orjson.dumps(big)))
+    task = asyncio.create_task(analyze(an, "m", "chat", big, raw=orjson.dumps(big)))
     await _until(lambda: an.lanes["large"].backlog[0] == 1)
     shm = workers[0].arena.shm
     assert shm is not None
@@ -259,7 +274,7 @@ async def test_shutdown_stops_every_worker_and_fails_what_is_in_flight(tiny_llam
     assert not Path("/dev/shm", shm.name.lstrip("/")).exists()
     assert all(w.restarts == 0 for w in workers)  # a stopped worker is not started again
     with pytest.raises(AnalysisSkipped) as skip:  # after shutdown: approximate, not a crash
-        await an.analyze("m", "chat", big)
+        await analyze(an, "m", "chat", big)
     assert skip.value.reason == "closed"
 
 
@@ -280,32 +295,32 @@ async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> Non
             body("long " * 50_000, n=20),
         ]
         for b in cases:
-            want = await inline.analyze("m", "chat", b)
+            want = await analyze(inline, "m", "chat", b)
             assert want is not None
             for raw, tokens in ((orjson.dumps(b), True), (orjson.dumps(b), False), (None, True)):
-                got = await an.analyze("m", "chat", b, raw=raw, tokens=tokens)
+                got = await analyze(an, "m", "chat", b, raw=raw, tokens=tokens)
                 assert got is not None
                 assert (got.num_tokens, got.hashes) == (want.num_tokens, want.hashes)
                 assert list(got.tokens) == (list(want.tokens) if tokens else [])
         bad = {**body("x"), "tools": [{"type": "function", "function": {}}]}
         with pytest.raises(ApiError) as err:
-            await an.analyze("m", "chat", bad, raw=orjson.dumps(bad))
+            await analyze(an, "m", "chat", bad, raw=orjson.dumps(bad))
         assert (err.value.status, err.value.param) == (400, "tools[0].function.name")
         with pytest.raises(AnalysisSkipped):
-            await an.analyze("m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
+            await analyze(an, "m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
         # bytes that do not parse fail that request only: the worker answers the next one
         with pytest.raises(AnalysisSkipped) as skip:
-            await an.analyze("m", "chat", body("x"), raw=b'{"messages": [')
+            await analyze(an, "m", "chat", body("x"), raw=b'{"messages": [')
         assert skip.value.reason.startswith("worker_error: JSONDecodeError")
         assert an.skipped["worker_error"] == 1
-        assert await an.analyze("m", "chat", body("after"), raw=orjson.dumps(body("after")))
+        assert await analyze(an, "m", "chat", body("after"), raw=orjson.dumps(body("after")))
         assert all(w.restarts == 0 for w in an.workers)
     finally:
         await an.aclose()
 
 
 def test_an_arena_with_no_free_slot_sends_through_the_socket() -> None:
-    from gateway.service.analysis_worker import ARENA_MIN_BYTES, Arena
+    from gateway.analysis.worker import ARENA_MIN_BYTES, Arena
 
     arena = Arena(2)
     raw = b"x" * ARENA_MIN_BYTES

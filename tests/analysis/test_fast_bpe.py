@@ -1,4 +1,4 @@
-"""The tiktoken-core encoder (gateway/service/fast_bpe.py) against Hugging Face tokenizers."""
+"""The tiktoken-core encoder (gateway/analysis/fast_bpe.py) against Hugging Face tokenizers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE
+from gateway.analysis.tokenize import FAST_CHECK_EVERY, FAST_CHECK_FIRST, ChatTokenizer
 from gateway.local.tiny_model import CORPUS_DIR
-from gateway.service.fast_bpe import PROBE_TEXTS, FastBPE
-from gateway.service.tokenize import FAST_CHECK_EVERY, FAST_CHECK_FIRST, ChatTokenizer
 
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

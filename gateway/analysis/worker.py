@@ -11,7 +11,7 @@ Frames, both ways: a 4-byte little-endian length, then the bytes. A request is a
 header ``(id, model, kind, salt, keep, place)`` then, unless ``place`` says where the body lies
 in the worker's shared-memory arena (:class:`Arena`: bodies of 64 KiB to 1 MiB, copied once on
 the loop), the raw JSON body itself. The worker parses the body, sets ``cache_salt`` from the
-gateway's copy, analyses it with its :class:`~gateway.service.tokenize.ChatTokenizer` and
+gateway's copy, analyses it with its :class:`~gateway.analysis.tokenize.ChatTokenizer` and
 answers ``(id, outcome)``, ``marshal``-ed: ``("ok", tokens, block hashes as packed ``array("Q")``
 bytes, encoded, token ids as packed ``array("i")`` bytes or None, seconds)``, ``("api", status,
 message, param, code, seconds)`` (a 400), ``("unsupported", reason, seconds)`` or ``("error",
@@ -47,8 +47,8 @@ from typing import Any
 
 import orjson
 
+from gateway.analysis.tokenize import ChatTokenizer, Unsupported
 from gateway.errors import ApiError
-from gateway.service.tokenize import ChatTokenizer, Unsupported
 
 __all__ = [
     "ARENA_MIN_BYTES",

@@ -1,6 +1,6 @@
 """Exact prompt tokens and vLLM block hashes for a request, reused by content across requests.
 
-The prompt text comes from :class:`~gateway.service.chat_render.ChatRenderer` (vLLM 0.32's
+The prompt text comes from :class:`~gateway.analysis.chat_render.ChatRenderer` (vLLM 0.32's
 normalisation and the model's chat template); it is encoded with the model's ``tokenizers``
 tokenizer with ``add_special_tokens=False`` (a completions prompt gets the tokenizer's prefix,
 as vLLM encodes it with ``add_special_tokens=True``), and hashed with vLLM's block-hash chain.
@@ -40,10 +40,10 @@ from typing import Any
 import orjson
 from tokenizers import Tokenizer
 
+from gateway.analysis.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
+from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE
 from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
 from gateway.errors import ApiError
-from gateway.service.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
-from gateway.service.fast_bpe import PROBE_TEXTS, FastBPE
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
 
@@ -204,7 +204,7 @@ class ChatTokenizer:
         """Whether text after a special token encodes independently of the text before it (true of
         byte-level BPE; checked on a probe at start-up, else every prompt is encoded whole)."""
         self.fast: FastBPE | None = None
-        """The tiktoken-core encoder when it reproduces this tokenizer (gateway/service/fast_bpe.py)."""
+        """The tiktoken-core encoder when it reproduces this tokenizer (gateway/analysis/fast_bpe.py)."""
         self.fast_reason = "off in config"
         """Why :attr:`fast` is None ('' when it is set)."""
         self.fast_encodes = 0

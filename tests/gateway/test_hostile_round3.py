@@ -1,0 +1,289 @@
+"""Defects found by hostile probing (a fair but hostile user against a real gateway on loopback,
+uvicorn with the server limits, a stand-in engine as a subprocess), each with the check that
+failed before its fix: what one tenant can learn of or do to another, and what reaches an
+engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.service.tenants import key_digest
+from tests.conftest import ServedGateway, engine_metric, fake_engine, wait_ready
+
+ACME, BETA, ADMIN = "sk-acme-1", "sk-beta-2", "sk-admin-3"
+MODEL = "m"
+
+
+def hdr(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    with fake_engine("--model", MODEL) as url:
+        yield url
+
+
+def config(engine_url: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "pools": [
+            {"name": "any", "role": "any", "engines": [{"name": "e0", "url": engine_url, "model": MODEL}]}
+        ],
+        "auth": {
+            "tenants": [
+                {"name": "acme", "key_sha256": [key_digest(ACME)]},
+                {"name": "beta", "key_sha256": [key_digest(BETA)]},
+            ],
+            "admin_key_sha256": [key_digest(ADMIN)],
+        },
+        **kw,
+    }
+
+
+@pytest.fixture(scope="module")
+def gw(engine_url: str) -> Iterator[ServedGateway]:
+    with ServedGateway(config(engine_url)) as g:
+        wait_ready(g.url)
+        yield g
+
+
+def chat(content: str, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2, **kw}
+
+
+# -- what a tenant can learn of another ----------------------------------------------------------
+def test_the_approximate_index_does_not_tell_one_tenant_what_another_sent(gw: ServedGateway) -> None:
+    """No tokenizer is configured: prompts are hashed approximately. The approximate hashes were
+    not salted, so a prompt another tenant had sent came back as cached tokens in
+    ``x-agentgw-cached-tokens-est`` (chunk by chunk: an oracle for another tenant's text)."""
+    secret = "acme's confidential system prompt, chunk after chunk. " * 60  # ~3.3K chars
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/chat/completions", json=chat(secret), headers=hdr(ACME))
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-agentgw-cached-tokens-est"]) == 0
+        r = c.post("/v1/chat/completions", json=chat(secret), headers=hdr(ACME))
+        assert int(r.headers["x-agentgw-cached-tokens-est"]) > 0  # its own prefix: matched
+        r = c.post("/v1/chat/completions", json=chat(secret), headers=hdr(BETA))
+        assert r.status_code == 200, r.text
+        assert int(r.headers["x-agentgw-cached-tokens-est"]) == 0  # another's: never
+        assert r.headers["x-agentgw-reason"] != "prefix"
+
+        # the dry run explains a named tenant's request, with that tenant's matches only
+        def matched(tenant: str) -> int:
+            r = c.post(f"/debug/route?tenant={tenant}", json=chat(secret), headers=hdr(ADMIN))
+            assert r.status_code == 200, r.text
+            assert r.json()["tenant"] == tenant
+            return sum(m["blocks"] for m in r.json()["matches"].values())
+
+        assert matched("acme") > 0
+        assert matched("beta") > 0  # beta sent it too, under its own salt
+        r = c.post("/debug/route", json=chat(secret + "tail"), headers=hdr(ADMIN))
+        assert sum(m["blocks"] for m in r.json()["matches"].values()) == 0  # unsalted: nobody's
+        r = c.post("/debug/route?tenant=nobody", json=chat(secret), headers=hdr(ADMIN))
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "tenant")
+        r = c.post("/debug/route?tenant=acme", json=chat(secret), headers=hdr(BETA))
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "admin_required")
+
+
+# -- what a tenant can do to another: the body budget and the tenant's limits ---------------------
+KIB = 1024
+SHARE = 256 * KIB
+
+
+def head(path: str, key: str | None, length: int, extra: str = "") -> bytes:
+    auth = f"authorization: Bearer {key}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}content-type: application/json\r\n"
+        f"content-length: {length}\r\n{extra}\r\n"
+    ).encode()
+
+
+def opened(g: ServedGateway, data: bytes, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket()
+    s.settimeout(30)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", g.config.listen.port))
+    s.sendall(data)
+    return s
+
+
+def answer(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers and body of the one response the server sends on ``s``."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        part = s.recv(65536)
+        if not part:
+            break
+        raw += part
+    top, _, rest = raw.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    hdrs = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    n = int(hdrs.get("content-length", "0"))
+    while len(rest) < n:
+        part = s.recv(65536)
+        if not part:
+            break
+        rest += part
+    return int(lines[0].split()[1]), hdrs, rest
+
+
+def held(g: ServedGateway) -> int:
+    return int(g.app.state.bodies.held)
+
+
+def wait_until(check: Any, what: str) -> None:
+    for _ in range(400):  # bounded: the server reads what was sent, or notices a close
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(what)
+
+
+@pytest.fixture(scope="module")
+def budget_gw(engine_url: str) -> Iterator[ServedGateway]:
+    cfg = config(
+        engine_url,
+        limits={
+            "max_body_bytes": 64 << 20,
+            "max_buffered_body_bytes": 4 * SHARE,
+            "max_buffered_body_bytes_per_tenant": SHARE,
+        },
+        server={"body_timeout_s": 20.0},
+    )
+    cfg["auth"]["tenants"] += [
+        {"name": "slow", "key_sha256": [key_digest("sk-slow")], "requests_per_s": 1, "burst_s": 1},
+        {"name": "one", "key_sha256": [key_digest("sk-one")], "max_concurrent": 1},
+        {"name": "tok", "key_sha256": [key_digest("sk-tok")], "tokens_per_s": 100, "burst_s": 1},
+    ]
+    with ServedGateway(cfg) as g:
+        wait_ready(g.url)
+        yield g
+
+
+def test_announced_bodies_hold_nothing_and_one_tenant_cannot_take_the_budget(
+    budget_gw: ServedGateway,
+) -> None:
+    """32 sockets each announcing 32 MiB and sending one byte claimed the whole budget on the
+    declared length, for nothing: every other tenant got 503 ``overloaded`` until the body
+    timeout. Now bytes are claimed as they arrive, and a tenant that really sends holds at most
+    its share: the others' requests pass."""
+    g = budget_gw
+    big = chat("y" * (SHARE - 2 * KIB))
+    hogs = [opened(g, head("/v1/chat/completions", ACME, 32 << 20) + b"{") for _ in range(32)]
+    try:
+        wait_until(lambda: held(g) == 32, f"held {held(g)}, expected the 32 bytes sent")
+        r = httpx.post(g.url + "/v1/chat/completions", json=big, headers=hdr(BETA), timeout=30)
+        assert r.status_code == 200, r.text
+        # acme sends for real: its share fills, and only acme is refused past it
+        fat = [opened(g, head("/v1/chat/completions", ACME, 1 << 20) + b" " * (SHARE // 4)) for _ in range(3)]
+        wait_until(lambda: held(g) == 32 + 3 * SHARE // 4, f"held {held(g)}")
+        s = opened(g, head("/v1/chat/completions", ACME, 1 << 20) + b" " * (SHARE // 2))
+        status, hdrs, body = answer(s)
+        s.close()
+        assert (status, orjson.loads(body)["error"]["code"]) == (429, "tenant_body_budget")
+        assert int(hdrs["retry-after"]) >= 1 and hdrs["connection"] == "close"
+        r = httpx.post(g.url + "/v1/chat/completions", json=big, headers=hdr(BETA), timeout=30)
+        assert r.status_code == 200, r.text
+        for s in fat:
+            s.close()
+    finally:
+        for s in hogs:
+            s.close()
+    wait_until(lambda: held(g) == 0, f"held {held(g)} after every client left")
+    assert g.app.state.bodies.by_owner == {}
+
+
+def test_without_keys_each_client_address_has_its_share(engine_url: str) -> None:
+    cfg = config(
+        engine_url,
+        limits={"max_buffered_body_bytes": 4 * SHARE, "max_buffered_body_bytes_per_tenant": SHARE},
+    )
+    del cfg["auth"]
+    with ServedGateway(cfg) as g:
+        wait_ready(g.url)
+        hog = opened(g, head("/v1/chat/completions", None, 1 << 20) + b" " * (SHARE - KIB), "127.0.0.2")
+        try:
+            wait_until(lambda: held(g) == SHARE - KIB, f"held {held(g)}")
+            s = opened(g, head("/v1/chat/completions", None, 4 * KIB) + b" " * (2 * KIB), "127.0.0.2")
+            status, _, body = answer(s)
+            s.close()
+            assert (status, orjson.loads(body)["error"]["code"]) == (429, "tenant_body_budget")
+            # another address: its own share
+            r = httpx.post(g.url + "/v1/chat/completions", json=chat("z" * (SHARE // 2)), timeout=30)
+            assert r.status_code == 200, r.text
+        finally:
+            hog.close()
+
+
+def test_a_tenants_rate_and_concurrency_limits_refuse_before_the_body_is_read(
+    budget_gw: ServedGateway,
+) -> None:
+    """A rate-limited tenant's 429 was decided after reading, parsing and analysing its body:
+    its refused requests cost the gateway full processing. Now the headers decide: the request
+    announces a body and sends none of it, and still gets its 429 at once (before the fix it
+    waited for the body)."""
+    g = budget_gw
+    body = orjson.dumps(chat("hello"))
+    r = httpx.post(g.url + "/v1/chat/completions", content=body, headers=hdr("sk-slow"), timeout=30)
+    assert r.status_code == 200, r.text
+    s = opened(g, head("/v1/chat/completions", "sk-slow", len(body)))  # the body never comes
+    status, hdrs, raw = answer(s)
+    s.close()
+    assert (status, orjson.loads(raw)["error"]["code"]) == (429, "tenant_rate_limited")
+    assert hdrs["connection"] == "close" and int(hdrs["retry-after"]) >= 1
+
+    # concurrency: a request still sending its body counts
+    hog = opened(g, head("/v1/chat/completions", "sk-one", len(body)) + body[:5])
+    try:
+        wait_until(lambda: g.service.admission.tenants.get("one") is not None, "tenant 'one' seen")
+        s = opened(g, head("/v1/chat/completions", "sk-one", len(body)))
+        status, _, raw = answer(s)
+        s.close()
+        assert (status, orjson.loads(raw)["error"]["code"]) == (429, "tenant_concurrency")
+    finally:
+        hog.close()
+
+    # tokens: estimated from the declared length before the body, settled after analysis
+    r = httpx.post(g.url + "/v1/chat/completions", json=chat("w" * 2000), headers=hdr("sk-tok"), timeout=30)
+    assert r.status_code == 200, r.text  # ~500 tokens: a bucket of 100 goes into debt
+    s = opened(g, head("/v1/chat/completions", "sk-tok", 400))
+    status, _, raw = answer(s)
+    s.close()
+    assert (status, orjson.loads(raw)["error"]["code"]) == (429, "tenant_token_rate_limited")
+
+
+def test_requests_whose_clients_left_while_queued_never_reach_an_engine() -> None:
+    """58 of 100 requests whose clients had left while queued in admission still reached the
+    engines: the client was watched only once the engine was being reached."""
+    with fake_engine("--model", MODEL, "--hold") as url:
+        cfg = config(url, admission={"max_inflight": 1, "max_queue": 64, "queue_timeout_s": 60})
+        del cfg["auth"]
+        with ServedGateway(cfg) as g:
+            wait_ready(g.url)
+            adm = g.service.admission
+            body = orjson.dumps(chat("queued", stream=True))
+            first = opened(g, head("/v1/chat/completions", None, len(body)) + body)
+            wait_until(lambda: adm.inflight == 1, "the first request holds the only slot")
+            quitters = [opened(g, head("/v1/chat/completions", None, len(body)) + body) for _ in range(10)]
+            wait_until(lambda: adm.waiting == 10, f"{adm.waiting} waiting, expected 10")
+            for s in quitters:
+                s.close()
+            wait_until(lambda: adm.waiting == 0, f"{adm.waiting} still waiting after their clients left")
+            assert httpx.post(url + "/release", timeout=10).status_code == 200
+            status, _, _ = answer(first)
+            first.close()
+            assert status == 200
+            wait_until(lambda: adm.inflight == 0, "every slot given back")
+            metrics = httpx.get(g.url + "/metrics", timeout=10).text
+            assert engine_metric(url, "fake_engine_requests_total") == 1  # the first one only
+            assert (
+                'agentgw_requests_total{engine="",pool="any",route="/v1/chat/completions",status="499"} 10.0'
+                in metrics
+            )
