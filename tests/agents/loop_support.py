@@ -21,11 +21,11 @@ from urllib.parse import quote
 import httpx
 from tokenizers import Tokenizer
 
+from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.agent_script import next_output
 from gateway.local.engines import HASH_SEED
 from gateway.protocol import ParsedRequest, parse_body
-from gateway.service.tokenize import ChatTokenizer
 from tests.conftest import engine_metric
 
 BLOCK = 128

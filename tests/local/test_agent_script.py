@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.analysis.chat_render import ChatRenderer
 from gateway.local.agent_script import (
     DONE_TEXT,
     NOT_FOUND,
@@ -21,7 +22,6 @@ from gateway.local.agent_script import (
     tool_call_text,
 )
 from gateway.local.tiny_model import SPECIAL_TOKENS, chat_template
-from gateway.service.chat_render import ChatRenderer
 
 # the gateway's renderer of chat bodies (equal to vLLM's: tests/gateway/test_tokenize_vllm_e2e.py)
 RENDERER = ChatRenderer(chat_template(), {"eos_token": SPECIAL_TOKENS[2]})
