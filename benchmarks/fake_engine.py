@@ -81,6 +81,9 @@ class EngineState:
         self.num_streams_cut = 0  # paced streams whose client left before the last chunk
         self.hold: asyncio.Event | None = None
         """``--hold``: streams send their headers, then wait for ``POST /release``."""
+        self.cut_after: int | None = None
+        """``--cut-after-bytes``: non-streamed answers announce their whole length, send this
+        many body bytes and close the connection (an engine dying mid-answer)."""
         self._stream_events: dict[tuple[bool, int], list[bytes]] = {}
         self._framed: dict[tuple[bool, int], bytes] = {}
         self.models_body = orjson.dumps(
@@ -435,7 +438,7 @@ class FakeEngineProtocol(asyncio.Protocol):
                 full = state.full_body(chat, rid, prompt_tokens, n)
                 self._delayed = asyncio.get_running_loop().create_task(self._late(full))
                 return
-            self._reply(200, state.full_body(chat, rid, prompt_tokens, n))
+            self._whole(state.full_body(chat, rid, prompt_tokens, n))
             return
         opts = req.get("stream_options")
         usage = None
@@ -482,7 +485,7 @@ class FakeEngineProtocol(asyncio.Protocol):
             if state.ttft_s > 0:
                 self._delayed = asyncio.get_running_loop().create_task(self._late(full))
                 return
-            self._reply(200, full)
+            self._whole(full)
             return
         head = self._head(200, b"text/event-stream", None)
         if state.ttft_s <= 0 and state.itl_s <= 0:
@@ -532,6 +535,16 @@ class FakeEngineProtocol(asyncio.Protocol):
         if not self._keep_alive:
             lines.append(b"connection: close")
         return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    def _whole(self, body: bytes) -> None:
+        """A non-streamed 200, cut after ``cut_after`` body bytes when that is set."""
+        cut = self.state.cut_after
+        if cut is None:
+            self._reply(200, body)
+            return
+        self._write(self._head(200, b"application/json", len(body)) + body[:cut], end=False)
+        if self.transport is not None:
+            self.transport.close()
 
     def _reply(
         self, status: int, body: bytes, content_type: bytes = b"application/json", close: bool = False
@@ -583,12 +596,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--hold", action="store_true", help="streams wait after their headers until POST /release"
     )
+    ap.add_argument(
+        "--cut-after-bytes",
+        type=int,
+        default=None,
+        help="non-streamed answers send this many body bytes, then the connection closes",
+    )
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error("--tokens must be >= 1")
     state = EngineState(args.model, args.tokens, args.ttft_ms / 1000, args.itl_ms / 1000)
     if args.hold:
         state.hold = asyncio.Event()
+    state.cut_after = args.cut_after_bytes
 
     def started(server: asyncio.Server) -> None:
         print(f"fake engine {args.model!r} listening on http://{args.host}:{args.port}", flush=True)

@@ -218,6 +218,12 @@ class LiveRecord:
     cached_tokens: int
     """``usage.prompt_tokens_details.cached_tokens`` (-1: not reported)."""
     error: str = ""
+    reason: str = ""
+    """The gateway's routing reason (``x-agentgw-reason``)."""
+    replica: str = ""
+    """The gateway replica(s) a balancer sent it to (``x-upstream-addr``: two when retried)."""
+    request_id: str = ""
+    """``x-request-id`` as returned."""
 
 
 @dataclass
@@ -234,6 +240,8 @@ class LiveConfig:
     timeout_s: float = 600.0
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=lambda: {"ignore_eos": True})
+    api_key: str = "unused"
+    """Sent as ``Authorization: Bearer`` (a gateway with tenants' keys needs one)."""
 
 
 def hint_fields(play: Play, r: TraceRequest, turn: int, next_gap_s: float | None, speedup: float) -> dict:
@@ -328,6 +336,9 @@ class _Replayer:
                 ctx = self.client.completions.with_streaming_response.create(prompt=prompt, **common)
             async with ctx as resp:
                 rec.engine = resp.headers.get("x-agentgw-engine", "")
+                rec.reason = resp.headers.get("x-agentgw-reason", "")
+                rec.replica = resp.headers.get("x-upstream-addr", "")
+                rec.request_id = resp.headers.get("x-request-id", "")
                 stream = await resp.parse()
                 async for chunk in stream:
                     if chunk.choices:
@@ -408,7 +419,7 @@ async def replay(plays: Sequence[Play], cfg: LiveConfig) -> list[LiveRecord]:
     async with (
         httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(cfg.timeout_s, connect=10.0)) as http,
         AsyncOpenAI(
-            base_url=cfg.url.rstrip("/") + "/v1", api_key="unused", http_client=http, max_retries=0
+            base_url=cfg.url.rstrip("/") + "/v1", api_key=cfg.api_key, http_client=http, max_retries=0
         ) as client,
     ):
         return await _Replayer(cfg, client, total).run(plays)
@@ -611,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--write-weka", default=None, help="write the replayed plays as Weka JSON here")
     ap.add_argument("--json", default=None, help="write metrics and per-request records here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--api-key", default="unused", help="the gateway key (Authorization: Bearer)")
     return ap
 
 
@@ -664,6 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             salt=salt + i,  # a second run must not hit the first run's cache
             vocab_size=args.vocab_size,
             progress=not args.no_progress,
+            api_key=args.api_key,
         )
         m, records = run_live(plays, cfg, engines, label=label)
         rows.append(m)

@@ -12,21 +12,24 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
+from gateway.service.membership import read_pools_file
+from gateway.service.request_ids import install_log_filter
 from gateway.service.tenants import TenantRegistry
 
 if TYPE_CHECKING:
     from gateway.local.engines import LocalEngine
 
 
-def _serve_app(config: GatewayConfig, log_level: str) -> None:
+def _serve_app(config: GatewayConfig, log_level: str, reload: Any = None) -> None:
     """Serve until SIGTERM/SIGINT; the drain (gateway/api/drain.py) runs before it returns."""
     from gateway.api.app import create_app
     from gateway.api.server import GatewayServer, raise_fd_limit, uvicorn_config
 
     raise_fd_limit()  # idle clients and upstream streams both hold descriptors
     # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
-    app = create_app(config)
-    GatewayServer(uvicorn_config(app, config, log_level=log_level), app.drain).run()
+    app = create_app(config, reload=reload)
+    # log_config None: uvicorn's own lines go through the root handler too (with the request id)
+    GatewayServer(uvicorn_config(app, config, log_level=log_level, log_config=None), app.drain).run()
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -70,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _plan(args)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
     )
+    install_log_filter()  # %(request_id)s: the request's x-request-id, "-" outside a request
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
 
     overrides: dict[str, object] = {}
@@ -89,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(args.config, pools=pools, **overrides)
         # says whether keys are required; keys named by environment variables must be there now
         TenantRegistry.from_config(config.auth, config.listen.host)
+        if config.discovery.file is not None:
+            read_pools_file(config.discovery.file)  # a bad discovery file stops the start here
     except ConfigError as exc:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
-    if config.pools:
+    if config.pools or config.discovery.file is not None:
         if args.engines is not None or args.first_turn is not None or args.warm is not None:
             print(
                 "agentgw: --engines/--first-turn/--warm start local engines: not with pools", file=sys.stderr
@@ -101,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         # uvicorn re-raises the signal that stopped it once it has drained and shut down: here
         # that is a normal exit (0), not death by SIGTERM
         previous = signal.signal(signal.SIGTERM, _terminate)
+
+        def reload() -> GatewayConfig:  # SIGHUP, POST /admin/reload: the file as it is now
+            return load_config(args.config, **overrides)
+
         try:
-            _serve_app(config, args.log_level)
+            _serve_app(config, args.log_level, reload if args.config and not args.engine else None)
         except KeyboardInterrupt:
             pass
         finally:

@@ -338,6 +338,17 @@ class DrainConfig(_Strict):
     a 503."""
 
 
+class DiscoveryConfig(_Strict):
+    """Engines from a file that the gateway re-reads while it runs (gateway/service/membership.py)."""
+
+    file: str | None = None
+    """A YAML or JSON file holding ``pools:`` (the same schema as the ``pools`` key); when set it
+    gives the engines at start (instead of ``pools``) and is re-read every ``interval_s`` when its
+    modification time changes: engines join and leave without a restart."""
+    interval_s: float = Field(5.0, gt=0)
+    """How often the discovery file's modification time is checked."""
+
+
 class HintsConfig(_Strict):
     on_invalid: Literal["reject", "ignore"] = "reject"
     """reject: 400 naming the field; ignore: drop the hints, add an ``x-agentgw-warning`` header."""
@@ -391,6 +402,7 @@ class GatewayConfig(BaseSettings):
     admission: AdmissionConfig = AdmissionConfig()
     server: ServerConfig = ServerConfig()
     drain: DrainConfig = DrainConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

@@ -13,6 +13,8 @@ SUDO=""
 if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+# Debian's nginx 1.22 in front of gateway replicas (tests/gateway/test_balancer.py, benchmarks.replicas)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx-light)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need_apt+=(libibverbs1)
 # headless browser for the dashboard test (tests/gateway/test_dashboard_browser.py)
 command -v chromedriver >/dev/null 2>&1 || need_apt+=(chromium chromium-driver)
@@ -25,6 +27,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]} (apt)"
   net_retry $SUDO apt-get -o Acquire::Retries=5 update -qq
   net_retry $SUDO env DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Retries=5 install -y -qq "${need_apt[@]}" >/dev/null
+  # the package may start a system nginx on port 80: the tests run their own on free ports
+  if [[ " ${need_apt[*]} " == *" nginx-light "* ]]; then $SUDO nginx -s quit >/dev/null 2>&1 || true; fi
 fi
 
 PY=${PYTHON:-python3}

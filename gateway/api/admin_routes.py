@@ -18,9 +18,11 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.api.auth import require_admin, tenant_of
+from gateway.config import ConfigError
 from gateway.errors import ApiError
 from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
 from gateway.service.gateway import GatewayService
+from gateway.service.membership import parse_pools
 
 router = APIRouter()
 
@@ -40,8 +42,12 @@ async def ready(request: Request) -> JSONResponse:
     pools = _svc(request).cluster.ready()
     draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
     ok = bool(pools) and all(pools.values()) and not draining
-    degraded = await _svc(request).sessions.probe()  # a shared store down: routing on the local view
-    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining}
+    svc = _svc(request)
+    degraded = await svc.sessions.probe()  # a shared store down: routing on the local view
+    now = time.time()
+    # how stale the prefix index may be: KV events are not replayed to a replica that (re)starts
+    index = {sub.engine: sub.coverage(now) for sub in svc.subscribers}
+    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining, "prefix_index": index}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -54,6 +60,11 @@ async def metrics(request: Request) -> Response:
     for pool, panic in svc.cluster.panicking().items():
         svc.metrics.engine_panic.labels(pool).set(1 if panic else 0)
     svc.metrics.session_store_degraded.set(1 if await svc.sessions.probe() else 0)
+    now = time.time()
+    for sub in svc.subscribers:
+        cov = sub.coverage(now)
+        svc.metrics.index_coverage.labels(sub.engine).set(cov["complete_for_s"])
+        svc.metrics.kv_event_gaps.labels(sub.engine).set(cov["gaps"])
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -67,6 +78,77 @@ async def models(request: Request) -> dict[str, object]:
         if tenant.allows_model(m)
     ]
     return {"object": "list", "data": data}
+
+
+# -- engines joining and leaving (gateway/service/membership.py) -------------------------------
+def _pools_json(svc: GatewayService) -> dict[str, object]:
+    c = svc.cluster
+    return {
+        "pools": [
+            {
+                "name": pool,
+                "role": c.engines[names[0]].role.value if names else None,
+                "engines": [
+                    {
+                        **c.engines[n].config.model_dump(),
+                        "healthy": c.engines[n].healthy,
+                        "inflight": c.engines[n].inflight,
+                    }
+                    for n in names
+                ],
+            }
+            for pool, names in c.pools.items()
+        ],
+        "leaving": [n for n, s in c.engines.items() if s.removed],
+    }
+
+
+@router.get("/admin/pools", summary="The engines now (admin key)", dependencies=[Depends(require_admin)])
+async def get_pools(request: Request) -> JSONResponse:
+    return JSONResponse(_pools_json(_svc(request)))
+
+
+@router.put(
+    "/admin/pools",
+    summary="Replace the engine list while running (admin key)",
+    dependencies=[Depends(require_admin)],
+)
+async def put_pools(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ApiError(400, "request body must be JSON", None, "invalid_json") from None
+    if not isinstance(body, dict) or not isinstance(body.get("pools"), list):
+        raise ApiError(400, "body must be an object with a list 'pools'", "pools", "invalid_request")
+    try:
+        pools = parse_pools(body["pools"])
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), _key_of(str(exc)), "invalid_request") from None
+    change = await svc.membership.apply(pools, "admin API")
+    return JSONResponse({**change, **_pools_json(svc)})
+
+
+@router.post(
+    "/admin/reload",
+    summary="Re-read the config (and discovery) file's pools, as SIGHUP does (admin key)",
+    dependencies=[Depends(require_admin)],
+)
+async def reload_pools(request: Request) -> JSONResponse:
+    svc = _svc(request)
+    try:
+        change = await svc.membership.reload("admin reload")
+    except ConfigError as exc:
+        raise ApiError(400, str(exc), _key_of(str(exc)), "invalid_config") from None
+    return JSONResponse({**change, **_pools_json(svc)})
+
+
+def _key_of(message: str) -> str | None:
+    """The key a ConfigError message names (``invalid config key 'pools.0.name': ...``)."""
+    head = "invalid config key '"
+    if message.startswith(head):
+        return message[len(head) :].split("'", 1)[0]
+    return None
 
 
 # -- the operator dashboard ----------------------------------------------------------------------

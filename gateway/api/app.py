@@ -5,8 +5,12 @@ nothing lives in module globals.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -23,14 +27,16 @@ from gateway.api.drain import Drain
 from gateway.api.openai_routes import OPENAI_WIRES
 from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire, openai_error, send_error
 from gateway.api.responses_routes import RESPONSES_WIRE
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
 from gateway.service.cluster import Cluster
 from gateway.service.dashboard import DashboardHistory
 from gateway.service.gateway import GatewayService
+from gateway.service.membership import read_pools_file
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_upstream
+from gateway.service.request_ids import REQUEST_ID, take_request_id, with_request_id
 from gateway.service.session_store import MemorySessionStore, RedisSessionStore, SessionStore
 
 WIRES: tuple[Wire, ...] = (*OPENAI_WIRES, MESSAGES_WIRE, RESPONSES_WIRE)
@@ -56,16 +62,36 @@ class GatewayApp:
         self._render = {w.route: w.render_error for w in WIRES}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if self.drain.draining and path not in DRAIN_OPEN:
-                render = self._render.get(path, openai_error)
-                await send_error(send, self.drain.error(), [(b"connection", b"close")], render)
-                return
-            endpoint = self._hot.get(path)
-            if endpoint is not None and scope["method"] == "POST":
-                await endpoint(scope, receive, send)
-                return
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        # the request id: the client's x-request-id or a new one, in the headers the engine gets,
+        # on the response and in every log line of the request (gateway/service/request_ids.py)
+        rid, own = take_request_id(scope["headers"])
+        if not own:
+            scope = {**scope, "headers": with_request_id(scope["headers"], rid)}
+        token = REQUEST_ID.set(rid.decode())
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": with_request_id(list(message.get("headers", ())), rid)}
+            await send(message)
+
+        try:
+            await self._http(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope["path"]
+        if self.drain.draining and path not in DRAIN_OPEN:
+            render = self._render.get(path, openai_error)
+            await send_error(send, self.drain.error(), [(b"connection", b"close")], render)
+            return
+        endpoint = self._hot.get(path)
+        if endpoint is not None and scope["method"] == "POST":
+            await endpoint(scope, receive, send)
+            return
         await self.api(scope, receive, send)
 
 
@@ -80,9 +106,24 @@ def allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods - {"HEAD"}))
 
 
-def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> GatewayApp:
+log = logging.getLogger("agentgw.app")
+
+
+def create_app(
+    config: GatewayConfig,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    reload: Callable[[], GatewayConfig] | None = None,
+) -> GatewayApp:
+    """``reload``: re-reads the configuration (``agentgw serve``'s ``--config`` file) for SIGHUP
+    and ``POST /admin/reload``, which apply its ``pools`` (gateway/service/membership.py)."""
+    static_config = config
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        config = static_config
+        if config.discovery.file is not None:  # the engines come from the discovery file
+            config = config.model_copy(update={"pools": read_pools_file(config.discovery.file)})
         upstream = make_upstream(config, transport)
         cluster = Cluster(config, upstream.http)
         metrics = GatewayMetrics()
@@ -111,11 +152,19 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
         await cluster.probe_once()
         cluster.start()
         service.start()
+        service.membership.reload_config = reload
         app.state.dashboard = DashboardHistory(service)
         app.state.dashboard.start()
+        hup = reload is not None and threading.current_thread() is threading.main_thread()
+        if hup:
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGHUP, lambda: asyncio.ensure_future(_on_sighup(service))
+            )
         try:
             yield
         finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await app.state.dashboard.stop()
             app.state.holder.service = None
             await service.stop()
@@ -179,3 +228,10 @@ def create_app(config: GatewayConfig, *, transport: httpx.AsyncBaseTransport | N
             )
 
     return GatewayApp(api)
+
+
+async def _on_sighup(service: GatewayService) -> None:
+    try:
+        await service.membership.reload("SIGHUP")
+    except ConfigError as exc:  # a bad file keeps the engines as they are
+        log.warning("SIGHUP: %s; engines unchanged", exc)

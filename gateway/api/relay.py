@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ import aiohttp
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.protocol import ParsedRequest
 from gateway.service.admission import TenantPass
@@ -117,6 +118,13 @@ def body_owner(svc: GatewayService, tenant: Tenant, scope: Scope) -> str:
         client = scope.get("client")
         return "addr:" + (client[0] if client else "")
     return "tenant:" + tenant.name
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first``, then what is left of ``rest``."""
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 async def wait_disconnect(receive: Any) -> None:
@@ -310,7 +318,8 @@ class GenerationEndpoint:
                 if flight is not None and flight.cut:
                     await svc.abandon(plan)
                 raise
-            await self._serve(svc, plan, parsed, t0, send, flight, watch)
+            abort = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
+            await self._serve(svc, plan, parsed, t0, send, flight, watch, abort)
 
     async def _serve(
         self,
@@ -321,6 +330,7 @@ class GenerationEndpoint:
         send: Any,
         flight: Flight | None,
         watch: _Watch,
+        abort: Callable[[], None] | None = None,
     ) -> None:
         wire = self.wire
         try:
@@ -355,7 +365,7 @@ class GenerationEndpoint:
                 await self._relay_error(svc, plan, up, t0, send, parsed.previous_response_id)
                 return
             record = wire.stores_responses and parsed.store and up.status == 200
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight)
+            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight, abort)
         finally:
             up.close()
 
@@ -406,7 +416,10 @@ class GenerationEndpoint:
         stream: bool,
         record_id: bool,
         flight: Flight | None = None,
+        abort: Callable[[], None] | None = None,
     ) -> None:
+        """``abort``: the server's way to cut the client connection mid-response (without it,
+        a whole answer cut mid-body is left unfinished for the server to close)."""
         headers = up.headers() + plan.response_headers(up)
         status = str(up.status)
         started = False
@@ -414,12 +427,19 @@ class GenerationEndpoint:
         head = b""
         delivered = False  # the stream's last event has been relayed whole
         ends = self.wire.stream_end if stream else ()
+        chunks = up.chunks()
         try:
+            if not stream:
+                # a whole answer's status line waits for its first bytes: an engine failing
+                # before them is a 502 in the API's shape, not a 200 with an empty body
+                async for chunk in chunks:
+                    chunks = _after(chunk, chunks)
+                    break
             await send({"type": "http.response.start", "status": up.status, "headers": headers})
             started = True
             if flight is not None:
                 flight.responded = True
-            async for chunk in up.chunks():
+            async for chunk in chunks:
                 if first:
                     svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
                     first = False
@@ -440,11 +460,14 @@ class GenerationEndpoint:
                 # the drain deadline passed: end the stream the way an engine failure does
                 _uncancel(flight.task)
                 status = "503"
-                tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
                 with contextlib.suppress(Exception):
                     if not started:
                         flight.responded = True
+                        if not stream:
+                            await send_error(send, self._drain.error(), None, self.wire.render_error)
+                            return
                         await send({"type": "http.response.start", "status": 503, "headers": headers})
+                    tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
                     await send({"type": "http.response.body", "body": tail, "more_body": False})
                 return
             if not watch.gone:
@@ -455,19 +478,28 @@ class GenerationEndpoint:
             watch.absorb()
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "502"
+            watch.stop()
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             # died or froze: ejected; whether it still listens, the next probe says
             svc.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
-            tail = (
-                self.wire.stream_error(f"engine '{up.engine}' failed mid-response: {exc!r}")
-                if stream
-                else b""
-            )
+            message = f"engine '{up.engine}' failed mid-response: {exc!r}"
             with contextlib.suppress(Exception):
-                if not started:
-                    await send({"type": "http.response.start", "status": 502, "headers": headers})
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
+                if not started:  # nothing sent yet: the API's error
+                    err = ApiError(502, message, None, "upstream_error")
+                    await send_error(send, err, plan.response_headers(up), self.wire.render_error)
+                elif stream:  # the API's error event ends the stream
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": self.wire.stream_error(message),
+                            "more_body": False,
+                        }
+                    )
+                elif abort is not None:
+                    # part of a whole answer is out: cut the connection before its end, so the
+                    # client sees a failure, never a short answer that looks complete
+                    abort()
         except OSError:
             # the server's send() raised (ASGI 2.4: the client connection is closed) before the
             # disconnect watcher fired: the same outcome

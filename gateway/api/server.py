@@ -26,6 +26,7 @@ import logging
 import resource
 from typing import Any
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -34,11 +35,17 @@ from gateway.config import GatewayConfig, ServerConfig
 from gateway.errors import error_body
 
 _REASONS = {
+    400: "Bad Request",
     408: "Request Timeout",
     414: "URI Too Long",
     431: "Request Header Fields Too Large",
+    501: "Not Implemented",
     503: "Service Unavailable",
 }
+
+
+ABORT_EXTENSION = "agentgw.abort"
+"""The ASGI scope extension (a callable) that cuts the client connection mid-response."""
 
 
 class _Refused(Exception):
@@ -96,6 +103,9 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             self._refused = False
             self._in_headers = True
             self._header_bytes = 0
+            """Request line and header bytes parsed so far (the limit, exactly)."""
+            self._bytes_in_head = 0
+            """Bytes read while inside the headers (an endless header is cut at the limit)."""
             self._header_count = 0
             self._header_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
@@ -116,23 +126,40 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             if self._refused:
                 return
             if self._in_headers:
-                self._header_bytes += len(data)
-            super().data_received(data)
+                self._bytes_in_head += len(data)
+            # uvicorn's data_received, with every parser error answered in the OpenAI shape
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserInvalidMethodError:
+                self._refuse(501, "the request method is not implemented", "method_not_implemented")
+                return
+            except httptools.HttpParserUpgrade:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    self._unsupported_upgrade_warning()
+            except httptools.HttpParserError as exc:
+                if not self._refused:  # else a limit already answered; the parser error is ours
+                    why = str(exc.__context__ or exc) or "malformed"
+                    self._refuse(400, f"invalid HTTP request: {why}", "invalid_http_request")
+                return
             # still inside the headers after all that: the headers alone are that long
-            if not self._refused and self._in_headers and self._header_bytes > limits.max_header_bytes:
+            if not self._refused and self._in_headers and self._bytes_in_head > limits.max_header_bytes:
                 self._refuse(
                     431, f"request headers exceed {limits.max_header_bytes} bytes", "headers_too_large"
                 )
 
         def send_400_response(self, msg: str) -> None:
             if not self._refused:  # a limit already answered; the parser error is ours
-                super().send_400_response(msg)
+                self._refuse(400, f"invalid HTTP request: {msg}", "invalid_http_request")
 
         # -- parser callbacks --------------------------------------------------------------
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = True
             self._header_count = 0
+            self._header_bytes = 0
             if self._header_timer is None:
                 self._arm_header_timer()
 
@@ -140,6 +167,10 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             if len(self.url) + len(url) > limits.max_header_bytes:
                 self._refuse(414, f"request line exceeds {limits.max_header_bytes} bytes", "url_too_long")
                 raise _Refused
+            if not self.url and self.parser.get_method() == b"CONNECT":
+                self._refuse(501, "CONNECT is not implemented: this is not a proxy", "method_not_implemented")
+                raise _Refused
+            self._header_bytes += len(url)
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -147,14 +178,25 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             if self._header_count > limits.max_header_count:
                 self._refuse(431, f"more than {limits.max_header_count} request headers", "too_many_headers")
                 raise _Refused
+            # counted as parsed, not only per read: a head that arrives whole in one read
+            # (the whole request at once) is held to the same limit
+            self._header_bytes += len(name) + len(value) + 4
+            if self._header_bytes > limits.max_header_bytes:
+                self._refuse(
+                    431, f"request headers exceed {limits.max_header_bytes} bytes", "headers_too_large"
+                )
+                raise _Refused
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._in_headers = False
-            self._header_bytes = 0
+            self._bytes_in_head = 0
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+            extensions = dict(self.scope.get("extensions") or {})
+            extensions[ABORT_EXTENSION] = self._abort_response
+            self.scope["extensions"] = extensions  # type: ignore[typeddict-item]
             super().on_headers_complete()
             self._body_timer = self.loop.call_later(limits.body_timeout_s, self._body_timeout)
 
@@ -189,6 +231,17 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
                 )
             else:
                 self._refused = True
+                self.transport.close()
+
+        def _abort_response(self) -> None:
+            """Cut the connection mid-response: what was sent is flushed, the terminating chunk
+            never is, so the client sees a failed response, not a short complete one."""
+            cycle = self.cycle
+            if cycle is not None:
+                cycle.disconnected = True  # later sends are dropped, and nothing is logged
+            self._refused = True
+            self._cancel_timers()
+            if not self.transport.is_closing():
                 self.transport.close()
 
         def _refuse(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:

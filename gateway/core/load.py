@@ -82,7 +82,10 @@ class InflightLoad:
         non-streamed answer). Returns whether anything changed."""
         if t.phase != _PREFILL:
             return False
-        c = self.counts[t.engine]
+        c = self.counts.get(t.engine)
+        if c is None:  # the engine left the configuration meanwhile
+            t.phase = _DONE
+            return False
         c.prefilling -= 1
         c.backlog_tokens -= t.uncached_tokens
         if decoding:
@@ -99,10 +102,12 @@ class InflightLoad:
             self.first_byte(t, decoding=False)
             return True
         if t.phase == _DECODE:
-            c = self.counts[t.engine]
+            c = self.counts.get(t.engine)
+            t.phase = _DONE
+            if c is None:  # the engine left the configuration meanwhile
+                return False
             c.decoding -= 1
             c.tokens -= t.prompt_tokens
-            t.phase = _DONE
             return True
         return False
 

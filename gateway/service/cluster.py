@@ -23,6 +23,11 @@ Device soft pins: for engines with a ``control_url`` (engine_ext), the control s
 usage gauge counts as used; the kv_usage scorer discounts it. That scrape is its own task, each
 call bounded by ``health_timeout_s`` as a whole; a failed or refused one reads as no pins (the
 undiscounted gauge). Routing only reads the last values and never waits for a scrape.
+
+Membership: :meth:`Cluster.apply_pools` takes a new pool list while the gateway runs (SIGHUP, the
+admin API, a discovery file). A new engine joins unhealthy and is routed to after its first good
+probe; an engine that left is out of routing at once (its sessions are re-homed through the
+``on_eject`` callbacks) and its state is dropped once its requests in flight have ended.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from gateway.config import EngineConfig, GatewayConfig
-from gateway.core.load import InflightLoad, Ticket, merge
+from gateway.config import EngineConfig, GatewayConfig, PoolConfig
+from gateway.core.load import EngineCounts, InflightLoad, Ticket, merge
 from gateway.core.types import EngineView, PoolRole
 from gateway.service.loop_lag import LoopLag
 
@@ -71,6 +76,8 @@ class EngineState:
     """Share of the device cache held by engine_ext soft pins (control server's /metrics)."""
     pins_refused: bool = False
     """The control API refused the last pin scrape (wrong token): logged once per episode."""
+    removed: bool = False
+    """Left the configuration: never routed to again; dropped once nothing is in flight there."""
 
     @property
     def name(self) -> str:
@@ -82,7 +89,7 @@ class EngineState:
             pool=self.pool,
             role=self.role,
             models=self.models,
-            healthy=self.healthy or (panic and not self.refused),
+            healthy=not self.removed and (self.healthy or (panic and not self.refused)),
             running=self.running,
             waiting=self.waiting,
             kv_usage=self.kv_usage,
@@ -148,11 +155,66 @@ class Cluster:
         self.load = InflightLoad(self.engines)
         self.on_eject: list[Callable[[str], None]] = []
 
+    # -- membership ----------------------------------------------------------------------------
+    def apply_pools(self, pools: list[PoolConfig]) -> dict[str, list[str]]:
+        """Make ``pools`` the engine list, while requests flow. Returns the engine names
+        ``added``, ``removed`` and ``updated`` (same name, another URL, model, KV-event endpoint,
+        control URL, pool or role). New engines start unhealthy (a probe admits them); removed
+        ones leave routing at once (the caller re-homes their sessions); their state stays until
+        their requests in flight end (:meth:`sweep`)."""
+        wanted = {e.name: (p, e) for p in pools for e in p.engines}
+        added, removed, updated = [], [], []
+        for name, s in self.engines.items():
+            if name not in wanted and not s.removed:
+                s.removed, s.healthy = True, False
+                removed.append(name)
+        for name, (pool, e) in wanted.items():
+            role = PoolRole(pool.role)
+            s = self.engines.get(name)
+            if s is None or s.removed:
+                self.engines[name] = EngineState(
+                    config=e, pool=pool.name, role=role, models=frozenset({e.model}), healthy=False
+                )
+                if s is not None:  # left and came back before its requests ended: keep their count
+                    self.engines[name].inflight = s.inflight
+                self.load.counts[name] = self.load.counts.get(name) or EngineCounts()
+                added.append(name)
+            elif s.config != e or s.pool != pool.name or s.role != role:
+                if s.config.url != e.url:  # another server: what was known of the old one is void
+                    s.healthy, s.failures, s.successes = False, 0, 0
+                    s.running = s.waiting = 0
+                    s.kv_usage = 0.0
+                s.config, s.pool, s.role, s.models = e, pool.name, role, frozenset({e.model})
+                updated.append(name)
+        self.pools = {p.name: [e.name for e in p.engines] for p in pools}
+        self._changed()
+        for name in removed:
+            log.warning("engine %s left the configuration", name)
+        for name in added:
+            log.warning("engine %s joined pool %s", name, self.engines[name].pool)
+        return {"added": added, "removed": removed, "updated": updated}
+
+    def sweep(self) -> list[str]:
+        """Drop the states of removed engines with nothing in flight; returns their names."""
+        gone = [
+            n
+            for n, s in self.engines.items()
+            if s.removed and s.inflight <= 0 and self.load.of(n) == EngineCounts()
+        ]
+        for n in gone:
+            del self.engines[n]
+            self.load.counts.pop(n, None)
+        if gone:
+            self._changed()
+        return gone
+
     # -- reading -------------------------------------------------------------------------------
     def views(self) -> tuple[EngineView, ...]:
         """The routing snapshot's engine list; rebuilt only after something changed."""
         if self._views is None:
             panic = self.panicking()
+            # an engine that left stays in the views (never healthy) until it is dropped, so the
+            # re-homing of its sessions knows its pool
             self._views = tuple(
                 merge(s.view(panic[s.pool]), self.load.of(s.name)) for s in self.engines.values()
             )
@@ -165,12 +227,16 @@ class Cluster:
         for pool, names in self.pools.items():
             healthy = sum(1 for n in names if self.engines[n].healthy)
             out[pool] = healthy / len(names) <= threshold
+        for s in self.engines.values():  # a removed engine's pool may be gone
+            out.setdefault(s.pool, False)
         return out
 
     def routable(self, name: str) -> bool:
         """May a request (or a retry) be sent to ``name`` now? Healthy, or in a panicking pool
         and not known to refuse connections."""
-        s = self.engines[name]
+        s = self.engines.get(name)
+        if s is None or s.removed:
+            return False
         return s.healthy or (not s.refused and self.panicking()[s.pool])
 
     def models(self) -> list[str]:
@@ -189,8 +255,10 @@ class Cluster:
         self._changed()
 
     def end(self, name: str) -> None:
-        self.engines[name].inflight -= 1
-        self._changed()
+        s = self.engines.get(name)
+        if s is not None:
+            s.inflight -= 1
+            self._changed()
 
     def sent(self, name: str, uncached_tokens: int, prompt_tokens: int = 0) -> Ticket:
         """A request went to ``name``; it prefills ``uncached_tokens`` until its first byte and
@@ -213,7 +281,9 @@ class Cluster:
         self._changed()
 
     def record_probe(self, name: str, ok: bool, refused: bool = False) -> None:
-        s = self.engines[name]
+        s = self.engines.get(name)
+        if s is None or s.removed:
+            return
         limits = self._config.limits
         if ok:
             s.failures, s.successes, s.refused = 0, s.successes + 1, False
@@ -242,7 +312,9 @@ class Cluster:
         timeout, a reset or a stream that broke off does not prove that (under a loop stall every
         engine's connects time out: marking them all refused emptied the pool, 503
         ``no_healthy_engine`` with every engine alive), and the next probe says."""
-        s = self.engines[name]
+        s = self.engines.get(name)
+        if s is None or s.removed:
+            return False
         if timeout_s is not None:
             if self.loop_lag.excuses(timeout_s):
                 return True
@@ -271,7 +343,16 @@ class Cluster:
 
     # -- tasks ---------------------------------------------------------------------------------
     async def probe_once(self) -> None:
-        await asyncio.gather(*(self._probe(s) for s in self.engines.values()))
+        self.sweep()
+        await asyncio.gather(*(self._probe(s) for s in list(self.engines.values()) if not s.removed))
+
+    async def probe_engine(self, name: str) -> None:
+        """Probe one engine now (a new member is routed to after its first good probe)."""
+        s = self.engines.get(name)
+        if s is not None and not s.removed:
+            await self._probe(s)
+            if s.healthy:
+                await self._scrape(s)
 
     async def _probe(self, s: EngineState) -> None:
         try:
@@ -291,7 +372,9 @@ class Cluster:
 
     async def scrape_once(self) -> None:
         panic = self.panicking()
-        await asyncio.gather(*(self._scrape(s) for s in self.engines.values() if s.healthy or panic[s.pool]))
+        await asyncio.gather(
+            *(self._scrape(s) for s in list(self.engines.values()) if s.healthy or panic[s.pool])
+        )
 
     async def _scrape(self, s: EngineState) -> None:
         try:
@@ -314,7 +397,7 @@ class Cluster:
         await asyncio.gather(
             *(
                 self._scrape_pins(s)
-                for s in self.engines.values()
+                for s in list(self.engines.values())
                 if s.config.control_url and (s.healthy or panic[s.pool])
             )
         )
@@ -354,10 +437,10 @@ class Cluster:
             asyncio.create_task(self._loop("probe_once", t.health_interval_s), name="health"),
             asyncio.create_task(self._loop("scrape_once", t.metrics_interval_s), name="metrics"),
         ]
-        if any(s.config.control_url for s in self.engines.values()):
-            self._tasks.append(
-                asyncio.create_task(self._loop("scrape_pins_once", t.metrics_interval_s), name="kv-pins")
-            )
+        # engines with a control API may join later (apply_pools): the loop runs regardless
+        self._tasks.append(
+            asyncio.create_task(self._loop("scrape_pins_once", t.metrics_interval_s), name="kv-pins")
+        )
 
     async def stop(self) -> None:
         await self.loop_lag.stop()

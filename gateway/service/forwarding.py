@@ -10,9 +10,11 @@ uncached tokens) from the send, decoding from the first body chunk, over when th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -23,6 +25,7 @@ from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
+from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
@@ -32,6 +35,9 @@ from gateway.service.tenants import CREDENTIAL_HEADERS
 __all__ = ["Forwarder", "Relay"]
 
 log = logging.getLogger("agentgw.forwarding")
+
+TAIL_CHUNKS = 3
+"""Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
 _DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
 
@@ -55,6 +61,8 @@ class Relay:
     cluster: Cluster | None = None
     ticket: Ticket | None = None
     """The request's place in the cluster's load ledger (prefilling until the first chunk)."""
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=TAIL_CHUNKS))
+    """The last chunks relayed: where the answer's usage report is (gateway/service/usage.py)."""
 
     @property
     def status(self) -> int:
@@ -65,17 +73,17 @@ class Relay:
         return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        it = self.response.content.iter_any()
-        if self.ticket is None or self.cluster is None:
-            return it
-        return self._first_then(it)
+        return self._first_then(self.response.content.iter_any())
 
     async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        keep = self.tail.append
         async for chunk in it:
             self.prefilled()
+            keep(chunk)
             yield chunk
             break
         async for chunk in it:
+            keep(chunk)
             yield chunk
 
     def prefilled(self) -> None:
@@ -156,7 +164,7 @@ class Forwarder:
         if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
             body = {**body, "priority": hints.priority}
             changed = True
-        return orjson.dumps(body) if changed else raw
+        return _dumps(body) if changed else raw
 
     async def open(
         self,
@@ -260,6 +268,24 @@ class Forwarder:
             ) from None
         finally:
             self.cluster.end(engine)
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """The re-serialized body. orjson writes at most 255 levels of nesting but parses 1,024: a
+    deeper body that passed the parse (and had to change) is written by the standard library,
+    or refused in the API's shape when even that cannot (never a 500)."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", None, "invalid_json") from None
+    except (TypeError, ValueError) as exc:
+        raise ApiError(
+            400, f"the request body cannot be forwarded as JSON: {exc}", None, "invalid_json"
+        ) from None
 
 
 LAG_RETRIES = 3

@@ -31,6 +31,7 @@ from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.kv_events import KvEventSubscriber
+from gateway.service.membership import Membership
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
 from gateway.service.placement import Analysis, Placement
@@ -40,6 +41,7 @@ from gateway.service.rehome import Rehomer
 from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
+from gateway.service.usage import count_usage
 
 __all__ = ["Analysis", "GatewayService", "Plan", "Relay"]
 
@@ -114,6 +116,8 @@ class GatewayService:
         self.roles = (
             RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
         )
+        self.membership = Membership(self)
+        """Engines joining and leaving while it runs (SIGHUP, admin API, discovery file)."""
 
     @property
     def index(self) -> Any:
@@ -131,8 +135,10 @@ class GatewayService:
                 sub = KvEventSubscriber(self._zmq, self.placement.index, s.name, s.config.kv_events)
                 sub.start()
                 self.subscribers.append(sub)
+        self.membership.start()
 
     async def stop(self) -> None:
+        await self.membership.stop()
         if self.roles is not None:
             await self.roles.stop()
         if self.rehomer.engine_ejected in self.cluster.on_eject:
@@ -175,9 +181,11 @@ class GatewayService:
     ) -> Plan:
         a = await self.analyze(parsed, headers, tenant=tenant)
         d = self.placement.decide(a)
-        await self.placement.place(a, d)
         salted = tenant.cache_salt is not None
+        # the body before the placement is written: a body that cannot be forwarded is a 400
+        # that leaves no session state behind
         body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d), changed=salted)
+        await self.placement.place(a, d)
         warning = a.prompt.warning
         extra = [(b"x-agentgw-warning", warning.encode("latin-1", "replace"))] if warning else []
         return Plan(d, body, self.forwarder.headers(headers), a, extra, tenant)
@@ -224,6 +232,8 @@ class GatewayService:
     async def finish(self, plan: Plan, up: Relay, status: str) -> None:
         up.finished()
         self.cluster.end(up.engine)
+        prompt = plan.analysis.request.prompt_tokens
+        count_usage(self.metrics, plan.tenant.name, status, up.tail, prompt, plan.decision.cached_tokens)
         await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
 
     async def remember_response(self, response_id: str, up: Relay, tenant: Tenant) -> None:

@@ -7,6 +7,12 @@ kv_cache_spec_kind, ...), ``BlockRemoved`` (block_hashes, medium, group_idx),
 ``AllBlocksCleared``. Only full-attention groups are indexed (sliding-window groups publish only
 their tail window, and linear-attention state is not a prefix of blocks). A gap in ``seq`` means
 events were lost: the engine's entries are then cleared rather than trusted.
+
+Coverage: events are not replayed, so the index knows only what an engine stored since this
+subscriber connected, or since the last gap cleared its entries (``complete_since``); blocks the
+engine stored before may still be on it, unknown here (a restarted replica sees its prefix
+matches come back as its engines store new blocks). ``coverage()`` says so, for ``/ready`` and
+``agentgw_prefix_index_coverage_seconds``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import msgpack
@@ -68,8 +75,25 @@ class KvEventSubscriber:
         self._last_seq: int | None = None
         self._other_groups: set[int] = set()
         self._task: asyncio.Task[None] | None = None
+        self.complete_since: float | None = None
+        """Wall-clock time since which every event of this engine was applied (None: not started)."""
+        self.last_event_at: float | None = None
+
+    def coverage(self, now: float) -> dict[str, Any]:
+        """How stale this engine's part of the index may be: events applied and gaps seen, the
+        seconds it has been complete for (blocks stored before that are unknown here) and the
+        seconds since its last event."""
+        since = self.complete_since
+        last = self.last_event_at
+        return {
+            "events": self.events,
+            "gaps": self.gaps,
+            "complete_for_s": round(now - since, 3) if since is not None else 0.0,
+            "last_event_s_ago": round(now - last, 3) if last is not None else None,
+        }
 
     def start(self) -> None:
+        self.complete_since = time.time()
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.engine}")
 
     async def stop(self) -> None:
@@ -101,7 +125,14 @@ class KvEventSubscriber:
         if self._last_seq is not None and seq > self._last_seq + 1:
             self.gaps += 1
             self.index.clear(self.engine)
+            self.complete_since = time.time()
+            log.warning(
+                "KV events from %s: %d lost; its prefix entries cleared",
+                self.engine,
+                seq - self._last_seq - 1,
+            )
         self._last_seq = seq
+        self.last_event_at = time.time()
         batch = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
         for ev in batch[1]:
             apply_event(self.index, self.engine, ev, self._other_groups)

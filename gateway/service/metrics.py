@@ -143,6 +143,47 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.index_coverage = Gauge(
+            "agentgw_prefix_index_coverage_seconds",
+            "Seconds this replica's prefix index has held every KV event of the engine (since it "
+            "subscribed, or since lost events cleared the engine's entries); blocks stored before "
+            "are unknown to it",
+            ["engine"],
+            registry=r,
+        )
+        self.kv_event_gaps = Gauge(
+            "agentgw_kv_event_gaps",
+            "Gaps in the engine's KV-event sequence seen by this replica (each cleared the engine's "
+            "prefix entries)",
+            ["engine"],
+            registry=r,
+        )
+        self.membership_changes = Counter(
+            "agentgw_engine_membership_changes",
+            "Engines added, removed or updated while running (SIGHUP, admin API, discovery file)",
+            ["change"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "agentgw_tenant_requests",
+            "Requests answered by an engine, by tenant and status class (2xx, 4xx, 5xx)",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "agentgw_tenant_tokens",
+            "Tokens by tenant and kind: input (prompt), cached (of the input, served from the "
+            "prefix cache), output; from the engines' usage reports (gateway/service/usage.py)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_unreported = Counter(
+            "agentgw_tenant_usage_unreported",
+            "Answered requests whose answer carried no usage (a stream without include_usage): "
+            "input and cached counted from the gateway's own estimate, output not counted",
+            ["tenant"],
+            registry=r,
+        )
 
         self._children: dict[tuple[object, ...], object] = {}
 

@@ -49,7 +49,7 @@ def config(engine_url: str, **kw: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def gw(engine_url: str) -> Iterator[ServedGateway]:
-    with ServedGateway(config(engine_url)) as g:
+    with ServedGateway(config(engine_url, server={"max_header_bytes": 32768})) as g:
         wait_ready(g.url)
         yield g
 
@@ -287,3 +287,126 @@ def test_requests_whose_clients_left_while_queued_never_reach_an_engine() -> Non
                 'agentgw_requests_total{engine="",pool="any",route="/v1/chat/completions",status="499"} 10.0'
                 in metrics
             )
+
+
+# -- what reaches a client when an engine fails ---------------------------------------------------
+@pytest.mark.parametrize("cut", [0, 40])
+def test_a_whole_answer_cut_by_its_engine_never_looks_complete(cut: int) -> None:
+    """A non-streamed answer cut by an engine failure mid-body reached the client as a complete,
+    well-terminated 200 with truncated JSON. Now: nothing sent yet -> a 502 in the API's shape;
+    part of it sent -> the connection is cut without the terminating chunk."""
+    with fake_engine("--model", MODEL, "--cut-after-bytes", str(cut)) as url:
+        cfg = config(url)
+        del cfg["auth"]
+        with ServedGateway(cfg) as g:
+            wait_ready(g.url)
+            msgs = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            for path, body in (("/v1/chat/completions", chat("hi")), ("/v1/messages", msgs)):
+                if cut == 0:
+                    r = httpx.post(g.url + path, json=body, timeout=30)
+                    assert r.status_code == 502, r.text
+                    if path == "/v1/messages":
+                        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+                    else:
+                        assert r.json()["error"]["code"] == "upstream_error"
+                    assert r.headers["x-agentgw-engine"] == "e0"
+                else:
+                    with pytest.raises(httpx.RemoteProtocolError):
+                        httpx.post(g.url + path, json=body, timeout=30)
+                wait_ready(g.url)  # the failure ejected the engine until its next probe
+            metrics = httpx.get(g.url + "/metrics", timeout=10).text
+            for route in ("/v1/chat/completions", "/v1/messages"):
+                assert f'engine="e0",pool="any",route="{route}",status="502"}} 1.0' in metrics
+
+
+# -- bad input -------------------------------------------------------------------------------------
+DEEP_BODIES = {
+    "/v1/chat/completions": '{"model":"m","messages":[{"role":"user","content":"hi","x":%s}],"max_tokens":2}',
+    "/v1/completions": '{"model":"m","prompt":"hi","max_tokens":2,"x":%s}',
+    "/v1/messages": '{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}],"metadata":{"x":%s}}',
+    "/v1/responses": '{"model":"m","input":"hi","x":%s}',
+}
+
+
+@pytest.mark.parametrize("depth", [300, 1000])
+def test_deeply_nested_json_is_forwarded_or_refused_in_the_apis_shape(gw: ServedGateway, depth: int) -> None:
+    """Nesting between 255 and 1,024 levels gave a text/plain 500 on all four APIs (orjson writes
+    255 levels, parses 1,024) once the body had to be re-serialised (a tenant's cache salt)."""
+    nested = "[" * depth + "]" * depth
+    for path, body in DEEP_BODIES.items():
+        r = httpx.post(
+            gw.url + path,
+            content=(body % nested).encode(),
+            headers={**hdr(ACME), "content-type": "application/json"},
+            timeout=30,
+        )
+        assert r.headers["content-type"].startswith("application/json"), (path, r.text[:200])
+        if depth == 300:
+            assert r.status_code == 200, (path, r.text[:200])
+        else:
+            assert r.status_code == 400, (path, r.text[:200])
+            err = r.json()["error"]
+            assert "nests JSON too deeply" in err["message"], err
+    metrics = httpx.get(gw.url + "/metrics", headers=hdr(ADMIN), timeout=10).text
+    assert 'route="/v1/responses",status="500"' not in metrics
+
+
+def exchange(g: ServedGateway, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    s = opened(g, data)
+    try:
+        return answer(s)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nx-a: a\x00b\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nx-a: a\x7fb\r\n\r\n", 400, "invalid_http_request"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nx-a: a\r\n  folded\r\n\r\n", 400, "invalid_http_request"),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: abc\r\n\r\n",
+            400,
+            "invalid_http_request",
+        ),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: -1\r\n\r\n",
+            400,
+            "invalid_http_request",
+        ),
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}",
+            400,
+            "invalid_http_request",
+        ),
+        (b"FOO /health HTTP/1.1\r\nHost: x\r\n\r\n", 501, "method_not_implemented"),
+        (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n", 501, "method_not_implemented"),
+        (b"PROPFIND /health HTTP/1.1\r\nHost: x\r\n\r\n", 405, None),
+        (b"PUT /health HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n", 405, None),
+        (b"PROPFIND /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405, None),
+        (b"GET /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n", 405, None),
+    ],
+)
+def test_malformed_http_gets_the_json_error_shape(
+    gw: ServedGateway, request_bytes: bytes, status: int, code: str | None
+) -> None:
+    """Malformed requests got the server's text/plain 400, an unknown method a 400 (501 is right)."""
+    got, hdrs, body = exchange(gw, request_bytes)
+    assert got == status, body
+    assert hdrs["content-type"] == "application/json"
+    err = orjson.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+    if status == 405:
+        assert hdrs["allow"]
+
+
+def test_header_bytes_are_limited_when_the_whole_head_arrives_at_once(gw: ServedGateway) -> None:
+    """``server.max_header_bytes`` (32 KiB here) was only checked between reads: 96 KB of headers
+    arriving in one read passed to the engine."""
+    many = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 3000) for i in range(32))  # ~96 KB, 32 headers
+    got, _, body = exchange(gw, b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert (got, orjson.loads(body)["error"]["code"]) == (431, "headers_too_large")
+    fine = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 500) for i in range(30))  # 15 KB
+    got, _, _ = exchange(gw, b"GET /health HTTP/1.1\r\nHost: x\r\n" + fine + b"\r\n")
+    assert got == 200
