@@ -57,6 +57,8 @@ RUN printf '%s\n' '#!/bin/sh' \
       'exec pip install "$@"' > /usr/local/bin/pip-install \
  && chmod +x /usr/local/bin/pip-install \
  && pip-install --upgrade pip
+# installs /src with its C extension compiled (a compiler only for that step)
+COPY scripts/docker-install-src.sh /usr/local/bin/install-src
 # The project's metadata with empty packages: `pip-install /src` installs the dependencies only
 # (the cached layers); the source comes after
 COPY pyproject.toml /src/
@@ -69,11 +71,16 @@ ENTRYPOINT ["python3", "/opt/agentgw/launch.py"]
 
 FROM base AS gateway
 ARG WHEELS_URL
+# nginx: the replicas profile's balancer runs this image (launch.py balancer)
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends nginx-light \
+ && rm -rf /var/lib/apt/lists/*
 RUN pip-install /src && pip uninstall -y agentgw
+COPY setup.py /src/
 COPY gateway /src/gateway
 COPY engine_ext /src/engine_ext
 COPY kernels /src/kernels
-RUN pip-install --no-deps /src && rm -rf /src
+RUN install-src
 COPY deploy/launch.py /opt/agentgw/launch.py
 USER agentgw
 EXPOSE 8000
@@ -101,10 +108,11 @@ RUN apt-get update \
 RUN pip-install --extra-index-url "$TORCH_INDEX_URL" "torch==2.13.0+cpu" \
  && pip-install "/src[engine,store]" \
  && pip uninstall -y agentgw torchvision torchaudio torchcodec
+COPY setup.py /src/
 COPY gateway /src/gateway
 COPY engine_ext /src/engine_ext
 COPY kernels /src/kernels
-RUN pip-install --no-deps /src && rm -rf /src
+RUN install-src
 COPY deploy/launch.py /opt/agentgw/launch.py
 USER agentgw
 EXPOSE 8100
@@ -121,10 +129,11 @@ RUN apt-get update \
 # vLLM's GPU wheel brings its CUDA torch and runtime libraries; the host provides the driver
 RUN WHEELS_URL="${GPU_WHEELS_URL:-$WHEELS_URL}" pip-install "vllm==0.32.0" mooncake-transfer-engine /src \
  && pip uninstall -y agentgw
+COPY setup.py /src/
 COPY gateway /src/gateway
 COPY engine_ext /src/engine_ext
 COPY kernels /src/kernels
-RUN WHEELS_URL="${GPU_WHEELS_URL:-$WHEELS_URL}" pip-install --no-deps /src && rm -rf /src
+RUN WHEELS_URL="${GPU_WHEELS_URL:-$WHEELS_URL}" install-src
 COPY deploy/launch.py /opt/agentgw/launch.py
 # CUDA graphs and the async pinning scheduler (gateway/local/engines.py, EngineSpec.platform)
 ENV AGENTGW_ENGINE_PLATFORM=cuda

@@ -1,7 +1,7 @@
 .PHONY: install bench-setup run test lint bench
 
 install:
-	./scripts/setup.sh
+	./scripts/setup.sh --test
 
 run:
 	./scripts/run.sh

@@ -10,7 +10,7 @@
 #   PORT           gateway port when starting one [26500]
 #   PLAYS          Weka plays to replay (ids or N) [trace_0010,trace_0274]
 #   MAX_REQUESTS   first N requests of each play [20]
-#   MAX_CONTEXT    scale each play so it fits this context (benchmarks/sim/scale.py, 128-token blocks) [4096]
+#   MAX_CONTEXT    scale each play so it fits this context (gateway/sim/scale.py, 128-token blocks) [4096]
 #   CONCURRENCY    aiperf agentic lanes [2]
 #   DURATION       profiling seconds (the scenario wants >= 900; --unsafe-override turns that into a warning) [90]
 #   DELAY_CAP      cap on each recorded inter-turn delay, seconds (aiperf has no speed-up for weka_trace) [2]

@@ -9,7 +9,7 @@
         --policies agentic+hints+recompute,agentic+hints,agentic+hints+planner   # inter-turn migration
 
 Every policy runs through the real ``gateway.core.router.Router`` in the discrete-event simulator
-(:mod:`benchmarks.sim`), against the same modeled engines (default: Dynamo 1.6.1's mocker model).
+(:mod:`gateway.sim`), against the same modeled engines (default: Dynamo 1.6.1's mocker model).
 Prints one table per configuration (workers x lanes x arrival speed-up) next to the ANCHORS
 figures for Dynamo, and writes ``ttft_cdf.png``, ``tpgs_vs_concurrency.png`` and
 ``results.json`` to ``--out`` (default ``benchmarks/out``).
@@ -32,9 +32,9 @@ decoding count and prefill backlog (``--load-view engine`` for every policy) whe
 what the live gateway's load ledger knows (``--load-view gateway``: prefilling from dispatch to
 first token with the decision's uncached tokens, then decoding); ``+planner`` runs the
 real ``gateway.core.planner`` after each turn with its executor modeled
-(:mod:`benchmarks.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
+(:mod:`gateway.sim.migrations`: prefetch, re-home, pins); ``+recompute`` runs without KV tiers
 (what is not on the device is recomputed). ``--tiers auto`` (default) gives every other policy a
-host tier per engine and a shared store (:mod:`benchmarks.sim.tiers`) when a ``+planner`` policy
+host tier per engine and a shared store (:mod:`gateway.sim.tiers`) when a ``+planner`` policy
 is in the run, else none; ``--pools F+W`` splits the workers into a first-turn and a warm pool.
 With a ``+planner`` policy, a second table compares the *moved sessions' next turns* (the turns
 whose session a completed move re-homed) across the policies: TTFT and recomputed tokens.
@@ -63,20 +63,15 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim.calibration import ENGINES
-from benchmarks.sim.cluster import RequestRecord, SimConfig, Simulator, simulate
-from benchmarks.sim.engine import EngineConfig
-from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request, percentile, summarize
-from benchmarks.sim.migrations import SimMigrations
-from benchmarks.sim.tiers import DEFAULT_KV_BYTES_PER_TOKEN, TiersConfig
-from benchmarks.sim.traces import Play, load_mooncake, load_weka, synth_agentx
-from gateway.core.planner import PlannerParams
-from gateway.core.roles import RoleParams
-from gateway.core.router import RoutingParams
+from gateway.sim.calibration import ENGINES
+from gateway.sim.cluster import RequestRecord, Simulator
+from gateway.sim.metrics import RunMetrics, ideal_hits_by_request, percentile
+from gateway.sim.migrations import SimMigrations
+from gateway.sim.runs import LAST_SIMS, load_trace, meets_slo, run_one, shared_path
+from gateway.sim.tiers import TiersConfig
 
 POLICIES = (
     "round_robin",
@@ -106,111 +101,9 @@ DYNAMO: dict[str, dict[str, tuple[float, float | None, float]]] = {
 }
 
 
-#: The ``home_load`` weight of ``+bal`` policies (8x24x10 on the Weka dev traces, agentic+hints:
-#: P90 interactivity 39.3 tok/s at 0, 41.5 at 2, 46.1 at 5).
-HOME_LOAD_WEIGHT = 5.0
-
-
 def parse_config(text: str) -> tuple[int, int, float]:
     w, lanes, sp = text.split("x")
     return int(w), int(lanes), float(sp)
-
-
-LAST_SIMS: dict[str, Simulator] = {}
-"""The last run of each policy (for the moved-session report)."""
-
-
-def run_one(
-    plays: Sequence[Play],
-    ideal: dict[tuple[str, int], int],
-    policy: str,
-    workers: int,
-    lanes: int | None,
-    speedup: float,
-    engine: str,
-    first_turn_workers: int = 0,
-    first_turn_threshold: int | None = None,
-    tiers: TiersConfig | None = None,
-    engine_flags: dict[str, int] | None = None,
-    interference_weight: float = 2.0,
-    weights: dict[str, float] | None = None,
-    routing_overrides: dict[str, float] | None = None,
-    load_view: str = "gateway",
-) -> tuple[RunMetrics, list[float]]:
-    profile, *flags = policy.split("+")
-    eng = ENGINES[engine]()
-    if engine_flags:
-        eng = eng.with_(**engine_flags)
-    planner = None
-    if "recompute" in flags:
-        tiers = None
-    if "planner" in flags:
-        tiers = tiers or TiersConfig()
-        kvb = eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
-        tiers = replace(tiers, kv_bytes_per_token=kvb)
-        planner = SimMigrations(
-            PlannerParams(kv_bytes_per_token=kvb, move_bytes_per_s=tiers.store_gbps * 1e9)
-        )
-    elif tiers is not None and eng.kv_bytes_per_token:
-        tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
-    routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
-    home_load = HOME_LOAD_WEIGHT if "bal" in flags else 0.0
-    routing = replace(routing, weights={**routing.weights, "home_load": home_load})
-    if "intf" in flags:
-        routing = replace(routing, weights={**routing.weights, "interference": interference_weight})
-    if weights:
-        routing = replace(routing, weights={**routing.weights, **weights})
-    if routing_overrides:
-        routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
-    if "noknee" in flags:
-        routing = replace(routing, interactivity_tok_s=0.0)
-    if first_turn_threshold is not None:
-        routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
-    cfg = SimConfig(
-        workers=workers,
-        engine=eng,
-        profile=profile,
-        hints="hints" in flags,
-        lanes=lanes,
-        speedup=speedup,
-        label=policy,
-        routing=routing,
-        first_turn_workers=first_turn_workers,
-        tiers=tiers,
-        roles=RoleParams() if "ctl" in flags else None,
-        load_view="engine" if "exact" in flags else load_view,
-    )
-    t0 = time.perf_counter()
-    sim = simulate(plays, cfg, planner)
-    m = summarize(sim, plays, ideal, label=policy)
-    m.wall_s = time.perf_counter() - t0
-    LAST_SIMS[policy] = sim
-    ttft = sorted((r.t_first - r.t_arrive) * 1000.0 for r in sim.records)
-    return m, ttft
-
-
-def routing_for(eng: EngineConfig, profile: str, split: str, tiers: TiersConfig | None) -> RoutingParams:
-    """Router parameters whose cost model is the engine model's own (what a deployment fits from
-    measured step times): prefill polynomial, chunk = min(budget, long-prefill cap), decode
-    polynomial over KV use plus the H200 models' batch and context terms (per sequence, per
-    million context tokens over the engine's KV capacity), KV bytes per token and the store's
-    bandwidth for moves."""
-    perf = eng.perf
-    cap = eng.long_prefill_token_threshold
-    chunk = min(eng.max_batched_tokens, cap) if cap > 0 else eng.max_batched_tokens
-    store_gbps = tiers.store_gbps if tiers is not None else TiersConfig().store_gbps
-    return RoutingParams(
-        profile=profile,
-        split=split,
-        cost_prefill_ms=(perf.p0, perf.p1, perf.p2),
-        cost_chunk_tokens=chunk,
-        cost_decode_ms=(perf.d0, perf.d1, perf.d2),
-        cost_decode_seq_ms=perf.d_seq,
-        cost_decode_kv_ms_per_mtok=perf.d_kv,
-        cost_kv_capacity_tokens=eng.num_blocks * eng.block_size if perf.d_kv else 0,
-        kv_bytes_per_token=eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN,
-        move_bytes_per_s=store_gbps * 1e9,
-    )
 
 
 def moved_report(
@@ -309,10 +202,6 @@ def anchors_apply(trace: str, trace_path: str | None, engine: str, engine_flags:
     """Whether ANCHORS' Dynamo figures describe this run's trace and engine model."""
     default_weka = trace_path is None or Path(trace_path).resolve() == shared_path("traces/weka").resolve()
     return trace == "weka" and default_weka and engine == "dynamo-mocker" and not engine_flags
-
-
-def meets_slo(ttft_p90_ms: float, inter_p90: float, slo_ttft_ms: float, slo_tok_s: float) -> bool:
-    return ttft_p90_ms <= slo_ttft_ms and inter_p90 >= slo_tok_s
 
 
 def capacity_table(
@@ -426,23 +315,6 @@ def plot(
         plt.close(fig)
         written.append(p)
     return written
-
-
-def shared_path(rel: str) -> Path:
-    """``shared/<rel>`` in the checkout, else beside it (the workspace layout)."""
-    repo = Path(__file__).resolve().parents[1]
-    for base in (repo / "shared", repo.parent / "shared"):
-        if (base / rel).exists():
-            return base / rel
-    return repo / "shared" / rel
-
-
-def load_trace(kind: str, path: str | None, n: int, seed: int = 0) -> list[Play]:
-    if kind == "weka":
-        return load_weka(path or shared_path("traces/weka"))
-    if kind == "mooncake":
-        return load_mooncake(path or shared_path("traces/mooncake/conversation_trace.jsonl"), limit=n or None)
-    return synth_agentx(n or 48, seed=seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ not install on 3.11 here; our project needs 3.11), so this module has two halves
   trace_format='weka', trace_block_size=64, agentic_lanes=L, num_workers=W,
   arrival_speedup_ratio=S, execution_model=...)`` with the mocker engines at their defaults
   (the engine model ``--engine dynamo-mocker`` reproduces in our simulator) and reduces the
-  per-request records to the same metrics as :mod:`benchmarks.sim.metrics`.
+  per-request records to the same metrics as :mod:`gateway.sim.metrics`.
 
 Policies: ``round_robin`` (``router_mode='round_robin'``), ``kv_router`` (``router_mode=
 'kv_router'``, default ``KvRouterConfig``: prefix overlap from KV events + load) and

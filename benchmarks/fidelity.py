@@ -4,7 +4,7 @@
     python -m benchmarks.fidelity --plays trace_0010,trace_0274 --max-requests 40 --num-gpu-blocks 48
 
 1. Loads Weka plays, keeps each play's first ``--max-requests`` requests and scales them down
-   (``benchmarks.sim.scale``: 128-token blocks, ``--max-context``, the recorded gaps).
+   (``gateway.sim.scale``: 128-token blocks, ``--max-context``, the recorded gaps).
 2. Starts ``--workers`` local vLLM engines on the tiny model (prefix caching, KV events,
    ``--num-gpu-blocks-override`` so that evictions happen, ``--max-num-batched-tokens``,
    ``--max-num-seqs``) and reads their real capacity from ``vllm:cache_config_info``.
@@ -42,10 +42,10 @@ from benchmarks.live_replay import (
     load_trace,
     run_live,
 )
-from benchmarks.sim.cluster import SimConfig, simulate
-from benchmarks.sim.engine import EngineConfig, PerfModel
-from benchmarks.sim.metrics import summarize
-from benchmarks.sim.traces import Play, trace_stats
+from gateway.sim.cluster import SimConfig, simulate
+from gateway.sim.engine import EngineConfig, PerfModel
+from gateway.sim.metrics import summarize
+from gateway.sim.traces import Play, trace_stats
 
 PORTS = range(26000, 27000)
 DEFAULT_PLAYS = "trace_0010,trace_0274,trace_0019,trace_0595"

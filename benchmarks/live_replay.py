@@ -4,13 +4,13 @@
         --plays 2 --max-requests 30 --scale --speedup 50 --engines http://127.0.0.1:P1,http://127.0.0.1:P2
     python -m benchmarks.live_replay ... --no-hints          # the same replay without any hint
 
-The trace is a Weka/AgentX folder or file (``benchmarks.sim.traces.load_weka``), optionally cut
+The trace is a Weka/AgentX folder or file (``gateway.sim.traces.load_weka``), optionally cut
 to the first ``--max-requests`` requests of the first ``--plays`` plays and scaled down with
-``benchmarks.sim.scale.scale_plays`` (``--scale``: 128-token blocks, a context that fits a tiny
+``gateway.sim.scale.scale_plays`` (``--scale``: 128-token blocks, a context that fits a tiny
 model, the same gaps). ``--write-weka DIR`` writes the replayed plays back as Weka JSON (what the
 simulator and aiperf read).
 
-Replay rules are the simulator's (``benchmarks.sim.cluster``): ``--lanes`` plays at a time, a
+Replay rules are the simulator's (``gateway.sim.cluster``): ``--lanes`` plays at a time, a
 request is sent when its dependencies are met (previous turn completed + recorded gap, subagent
 spawned on its parent's dispatch or completion, joins), every recorded gap divided by
 ``--speedup``. Requests are streamed with the OpenAI SDK (async client).
@@ -58,9 +58,9 @@ from typing import Any
 import httpx
 
 from benchmarks._common import default_weka_traces
-from benchmarks.sim.metrics import ideal_hits_by_request, percentile
-from benchmarks.sim.scale import scale_plays, to_weka
-from benchmarks.sim.traces import DISPATCH, Play, TraceRequest, load_weka
+from gateway.sim.metrics import ideal_hits_by_request, percentile
+from gateway.sim.scale import scale_plays, weka_json
+from gateway.sim.traces import DISPATCH, Play, TraceRequest, load_weka
 
 __all__ = [
     "ENGINE_COUNTERS",
@@ -132,24 +132,6 @@ def load_trace(
     if scale:
         loaded = scale_plays(loaded, max_context=max_context, block_size=block_size, max_output=max_output)
     return loaded
-
-
-def weka_json(play: Play, scope: str = "local") -> dict[str, Any]:
-    """``benchmarks.sim.scale.to_weka`` plus the fields aiperf's Weka schema requires (trace
-    ``models``; subagent ``subagent_type``, ``status``, ``models``): readable by both."""
-    d = to_weka(play, scope)
-    models = sorted({r.model or "unknown" for r in play.requests})
-    d["models"] = models
-    d.setdefault("tool_tokens", 0)
-    d.setdefault("system_tokens", 0)
-    for e in d["requests"]:  # type: ignore[union-attr]
-        if e.get("type") == "subagent":
-            e.setdefault("subagent_type", "Explore")
-            e.setdefault("status", "completed")
-            e.setdefault("models", models)
-        else:
-            e["model"] = e.get("model") or models[0]
-    return d
 
 
 # -- prompts -------------------------------------------------------------------------------------
@@ -604,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", default=None, help="Weka folder or file (default: shared/traces/weka)")
     ap.add_argument("--plays", default="0", help="N (first N plays by name) or play ids, comma-separated")
     ap.add_argument("--max-requests", type=int, default=0, help="keep each play's first N requests")
-    ap.add_argument("--scale", action="store_true", help="scale down with benchmarks.sim.scale")
+    ap.add_argument("--scale", action="store_true", help="scale down with gateway.sim.scale")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--max-output", type=int, default=64)

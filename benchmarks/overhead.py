@@ -627,10 +627,14 @@ def measure(bench: Bench, target: Target, case: Case, bodies: Bodies, rep: int) 
     if row["requests"]:
         row["cpu_us_per_req"] = (cpu_seconds(pid) - cpu0) / row["requests"] * 1e6
         row["cpu_main_us_per_req"] = (cpu_seconds(pid, descendants=False) - own0) / row["requests"] * 1e6
+        if gateway:  # the analysis worker processes (every turns request is a cold turn)
+            row["cpu_workers_us_per_req"] = row["cpu_us_per_req"] - row["cpu_main_us_per_req"]
         if gateway:  # routed on the approximate index (analysis skipped: backlog, budget, ...)
             skipped = analysis_skipped(target.base_url)
             row["approx_by_reason"] = {k: v - skipped0.get(k, 0.0) for k, v in skipped.items()}
             row["approx_pct"] = sum(row["approx_by_reason"].values()) / row["requests"] * 100
+            if target.name == "gateway-notok":  # no tokenizer: every request, uncounted
+                row["approx_pct"] = 100.0
     if spy is not None:
         spy.wait(60)
     if case.concurrency in args.ttft_conc:
@@ -703,6 +707,7 @@ _METRICS = (
     "ttft_p99_ms",
     "cpu_us_per_req",
     "cpu_main_us_per_req",
+    "cpu_workers_us_per_req",
     "peak_rss_mib",
     "errors",
     "approx_pct",
@@ -806,7 +811,7 @@ def _fmt(v: float | None, nd: int = 2) -> str:
 def render_table(rows: list[dict]) -> str:
     head = (
         "| target | case | p50 ms | p99 ms | req/s | +p50 ms | TTFT p50 | TTFT p99 | +TTFT p50 | "
-        "+TTFT p99 | CPU us/req | of it main process | peak RSS MiB | errors |"
+        "+TTFT p99 | CPU us/req | of it main process | of it analysis workers | approx % | peak RSS MiB | errors |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -826,6 +831,8 @@ def render_table(rows: list[dict]) -> str:
                     _fmt(r.get("added_ttft_p99_ms")),
                     _fmt(r.get("cpu_us_per_req"), 0),
                     _fmt(r.get("cpu_main_us_per_req"), 0),
+                    _fmt(r.get("cpu_workers_us_per_req"), 0),
+                    _fmt(r.get("approx_pct"), 0),
                     _fmt(r.get("peak_rss_mib"), 0),
                     str(r.get("errors", 0)),
                 ]

@@ -119,7 +119,7 @@ class Redis(Proc):
     def __init__(self, port: int, log: Path) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
-            raise SystemExit("redis-server is not installed (./scripts/setup.sh installs it)")
+            raise SystemExit("redis-server is not installed (./scripts/setup.sh --test installs it)")
         argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         super().__init__("redis", argv, None, log)
         self.port = port

@@ -23,9 +23,15 @@ Layout (environment, defaults in brackets):
   ``CONTROL_TOKEN``: bearer of the control API (required).
 - ``GATEWAY_PORT`` [8000]. Any ``AGENTGW_*`` variable overrides the gateway config it writes
   (``AGENTGW_ROUTING__PROFILE=cache_aware``; see docs/operations.md).
+- Replicas behind a balancer (the ``replicas`` profile): ``gateway INDEX`` serves on
+  ``REPLICA_PORT_BASE + INDEX`` [8010] and requires the key in ``API_KEY`` (tenant ``default``;
+  ``ADMIN_KEY`` optional); ``balancer`` runs nginx on ``BALANCER_PORT`` [8080] over ``REPLICAS``
+  [3] of them, configured by ``gateway.local.replicas.nginx_conf`` (round robin, retries of
+  requests no replica answered, streams unbuffered).
 
 Services: ``model`` (build the tiny model into ``MODELS_DIR/MODEL`` unless it is there: the ``cpu``
-profile's init step, nothing downloaded), ``engine NAME``, ``gateway``, ``mooncake``, ``redis``, and
+profile's init step, nothing downloaded), ``engine NAME``, ``gateway [INDEX]``, ``balancer``,
+``mooncake``, ``redis``, and
 ``health`` (the image HEALTHCHECK: probes what the service started in this container announced).
 
 The engine's command line and environment are ``gateway.local.engines``' (the ones ``agentgw
@@ -194,7 +200,7 @@ def _require_token(layout: Layout) -> None:
 
 def run_engine(layout: Layout, name: str) -> None:
     from engine_ext.config import kv_transfer_config
-    from gateway.local.engines import EngineSpec, engine_command, engine_env
+    from gateway.local.engines import EngineSpec, engine_command, engine_env, publisher_endpoint
 
     _require_token(layout)
     port = layout.engine_port(name)
@@ -225,19 +231,49 @@ def run_engine(layout: Layout, name: str) -> None:
         raise SystemExit(f"launch: no model at {layout.model_dir} (MODELS_DIR/MODEL)")
     cmd = engine_command(spec)
     i = cmd.index("--kv-events-config") + 1
-    cmd[i] = json.dumps({**json.loads(cmd[i]), "endpoint": f"tcp://{HOST}:{spec.kv_events_port}"})  # not *
+    # bound to HOST only (not *), in the form vLLM binds rather than connects (publisher_endpoint)
+    cmd[i] = json.dumps({**json.loads(cmd[i]), "endpoint": publisher_endpoint(spec.kv_events_port, HOST)})
     _announce(f"http://{HOST}:{port}/health")
     _exec(cmd, engine_env(spec))
 
 
-def run_gateway(layout: Layout) -> None:
+def run_gateway(layout: Layout, replica: int | None = None) -> None:
+    """One gateway, or (``replica``) one of the replicas behind the balancer: its own port, keys
+    required (behind a loopback balancer every client looks local)."""
     import yaml
 
+    config = layout.gateway_config()
+    port = layout.gateway_port
+    if replica is not None:
+        if not os.environ.get("API_KEY"):
+            raise SystemExit("launch: API_KEY is empty (replicas behind a balancer require a key)")
+        port = _int("REPLICA_PORT_BASE", 8010) + replica
+        config["listen"] = {"host": HOST, "port": port}
+        auth: dict[str, object] = {"tenants": [{"name": "default", "key_env": ["API_KEY"]}]}
+        if os.environ.get("ADMIN_KEY"):
+            auth["admin_key_env"] = ["ADMIN_KEY"]
+        config["auth"] = auth
     path = Path(tempfile.gettempdir()) / "agentgw-compose.yaml"
-    path.write_text(yaml.safe_dump(layout.gateway_config(), sort_keys=False), encoding="utf-8")
-    _announce(f"http://{HOST}:{layout.gateway_port}/health")
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    _announce(f"http://{HOST}:{port}/health")
     log_level = os.environ.get("LOG_LEVEL", "warning")
     _exec(["agentgw", "serve", "--config", str(path), "--log-level", log_level])
+
+
+def run_balancer() -> None:
+    """nginx in front of ``REPLICAS`` gateway replicas (gateway/local/replicas.py's settings)."""
+    from gateway.local.replicas import nginx_conf
+
+    port = _int("BALANCER_PORT", 8080)
+    base = _int("REPLICA_PORT_BASE", 8010)
+    upstreams = [f"{HOST}:{base + i}" for i in range(_int("REPLICAS", 3))]
+    prefix = Path(tempfile.gettempdir()) / "agentgw-nginx"
+    prefix.mkdir(exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(nginx_conf(f"{HOST}:{port}", upstreams, prefix=str(prefix)), encoding="utf-8")
+    _announce(f"http://{HOST}:{port}/health")
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    _exec([nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf), "-g", "daemon off;"])
 
 
 def run_model(layout: Layout) -> None:
@@ -302,15 +338,17 @@ def health() -> int:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        raise SystemExit("usage: launch.py model|engine NAME|gateway|mooncake|redis|health")
+        raise SystemExit("usage: launch.py model|engine NAME|gateway [INDEX]|balancer|mooncake|redis|health")
     service, args = argv[0], argv[1:]
     if service == "health":
         return health()
     layout = Layout.from_env()
     if service == "engine" and len(args) == 1:
         run_engine(layout, args[0])
-    elif service == "gateway":
-        run_gateway(layout)
+    elif service == "gateway" and len(args) <= 1:
+        run_gateway(layout, int(args[0]) if args else None)
+    elif service == "balancer":
+        run_balancer()
     elif service == "model":
         run_model(layout)
     elif service == "mooncake":

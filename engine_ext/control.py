@@ -18,7 +18,12 @@ Endpoints (JSON; every call needs `Authorization: Bearer <control_token>`):
         host tier ahead of the request: it runs a 1-token completion of the prefix through the
         engine's own serving path (`engine_url`), so loads use vLLM's normal connector path;
         answers prompt_tokens and cached_tokens. Idempotent (a repeat is a local cache hit).
-Concurrency is bounded (`control_max_inflight`, default 8): past it the server answers 429.
+The server (:class:`ControlServer`) is bounded and time-limited: one asyncio loop thread and
+``control_max_inflight`` (default 8) operation threads whatever connects (429 past it), at most
+``control_max_connections`` sockets (64; 503 past it), the head within ``control_header_timeout_s``
+(5 s) and 16 KiB, authentication before any body byte is read, a body of at most
+``control_max_body_bytes`` (4 MiB) within ``control_body_timeout_s`` (10 s); numbers validated
+(a pin TTL in (0, 7 days]).
 
 Device pins (engine_ext.scheduler): the pinning scheduler attaches its `DevicePins` to the
 service started on the same `control_port` (`service_on`: vLLM builds the connector's spec and
@@ -29,14 +34,18 @@ the scheduler applies on the engine-core thread at its next step; the answer say
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine_ext.device_pins import DevicePins, PinCommand
@@ -152,78 +161,263 @@ def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": kind, "code": status}}
 
 
+MAX_TTL_S = 7 * 24 * 3600.0
+"""The longest pin accepted (the gateway's ``kv_retention_ttl_s`` hint bound): a TTL of 1e308
+would pin a session's KV for good."""
+MAX_SESSION_ID = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_HEAD_BYTES = 16 * 1024
+"""Request line plus headers."""
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    501: "Not Implemented",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
+
+
+class _Refuse(Exception):
+    """Answer ``status`` and close the connection."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def _ttl(value: Any, name: str) -> float:
+    """A pin TTL: a finite number in (0, MAX_TTL_S]; raises _Refuse(400) naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_TTL_S:
+        raise _Refuse(400, f"{name} (a number of seconds in (0, {MAX_TTL_S:g}]) is required")
+    return float(value)
+
+
+def _session_id(value: Any, name: str = "session_id") -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_ID or not value.isprintable():
+        raise _Refuse(400, f"{name} (a string of 1-{MAX_SESSION_ID} printable characters) is required")
+    return value
+
+
 class ControlServer:
-    def __init__(self, service: ControlService, host: str, port: int, token: str, max_inflight: int = 8):
+    """The control API's HTTP server: one asyncio loop on its own thread, the operations on a
+    pool of ``max_inflight`` threads (the total is bounded: 1 + ``max_inflight``, however many
+    sockets connect). Every limit is answered in the API's error shape, then the connection
+    closes:
+
+    - ``max_connections`` open sockets; past it a 503 at once;
+    - the request line and headers within ``header_timeout_s`` and :data:`MAX_HEAD_BYTES` (408,
+      431); a malformed head, a bad, negative or repeated ``Content-Length``, or a chunked body:
+      400 / 501;
+    - authentication before anything else is read (401; an empty token is refused at start);
+    - the body, at most ``max_body_bytes`` (413) within ``body_timeout_s`` (408); then
+      ``max_inflight`` operations at once (429: a slow body never holds an operation slot);
+    - an idle keep-alive connection is closed after ``keep_alive_s``.
+    """
+
+    def __init__(
+        self,
+        service: ControlService,
+        host: str,
+        port: int,
+        token: str,
+        max_inflight: int = 8,
+        *,
+        max_connections: int = 64,
+        header_timeout_s: float = 5.0,
+        body_timeout_s: float = 10.0,
+        keep_alive_s: float = 30.0,
+        max_body_bytes: int = 4 * 1024 * 1024,
+    ):
         if not token or token != token.strip():
             # an empty token matched a bare "Authorization: Bearer": the API was open
             raise ValueError("control_token must be set (non-empty, no surrounding spaces)")
+        if max_inflight < 1 or max_connections < 1:
+            raise ValueError("control_max_inflight and control_max_connections must be >= 1")
         self.service = service
         self._token = token.encode()
-        self._slots = threading.BoundedSemaphore(max_inflight)
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def _reply(self, status: int, body: dict[str, Any] | str) -> None:
-                if isinstance(body, str):
-                    data, kind = body.encode(), "text/plain; version=0.0.4"
-                else:
-                    data, kind = json.dumps(body).encode(), "application/json"
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self, method: str) -> None:
-                if not server._slots.acquire(blocking=False):
-                    self._reply(*_error(429, "too many control requests in flight", "rate_limited"))
-                    return
-                try:
-                    self._reply(
-                        *server.dispatch(method, self.path, self.headers.get("Authorization", ""), self)
-                    )
-                finally:
-                    server._slots.release()
-
-            def do_GET(self) -> None:
-                self._handle("GET")
-
-            def do_POST(self) -> None:
-                self._handle("POST")
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="agentgw_control", daemon=True)
+        self.max_inflight = max_inflight
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.keep_alive_s = keep_alive_s
+        self.max_body_bytes = max_body_bytes
+        self.connections = 0
+        """Sockets open now (read on the loop thread)."""
+        self.peak_connections = 0
+        """The most sockets served at once (never past ``max_connections``)."""
+        self.inflight = 0
+        self.refused: dict[int, int] = {}
+        """Answers that closed the connection, by status (a counter for tests and operators)."""
+        self._sock = socket.create_server((host, port), backlog=128)
+        self.port = self._sock.getsockname()[1]
         self._configured_port = port
+        self._pool = ThreadPoolExecutor(max_inflight, thread_name_prefix="agentgw_control_op")
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Future[None] | None = None
+        self._started = threading.Event()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._run, name="agentgw_control", daemon=True)
 
+    # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         register_service(self._configured_port, self.service)
         self._thread.start()
+        self._started.wait(10)
 
     def stop(self) -> None:
         if _SERVICES.get(self._configured_port) is self.service:
             del _SERVICES[self._configured_port]
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._request_stop)
+            self._thread.join(10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sock.close()
 
+    def _request_stop(self) -> None:
+        if self._stop is not None and not self._stop.done():
+            self._stop.set_result(None)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = self._loop.create_future()
+        server = await asyncio.start_server(self._connection, sock=self._sock, limit=MAX_HEAD_BYTES)
+        self._started.set()
+        try:
+            await self._stop
+        finally:
+            server.close()
+            for w in list(self._writers):
+                w.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- one connection ----------------------------------------------------------------------
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        self.connections += 1
+        try:
+            if self.connections > self.max_connections:
+                raise _Refuse(503, "too many open control connections", "overloaded")
+            self.peak_connections = max(self.peak_connections, self.connections)
+            first = True
+            while await self._request(reader, writer, first):
+                first = False
+        except _Refuse as r:
+            self.refused[r.status] = self.refused.get(r.status, 0) + 1
+            with contextlib.suppress(Exception):
+                await self._write(writer, *_error(r.status, r.message, r.kind), keep=False)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            self.connections -= 1
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool) -> bool:
+        """Serve one request; whether the connection stays open. A kept-alive connection may
+        idle ``keep_alive_s`` before its next request (then it is closed without an answer)."""
+        wait = self.header_timeout_s if first else self.keep_alive_s + self.header_timeout_s
+        try:
+            async with asyncio.timeout(wait):
+                raw = await reader.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            if not first and not reader._buffer:  # type: ignore[attr-defined]  # idle: just close
+                return False
+            raise _Refuse(408, f"request headers not received within {self.header_timeout_s:g} s") from None
+        except asyncio.LimitOverrunError:
+            raise _Refuse(431, f"request headers exceed {MAX_HEAD_BYTES} bytes") from None
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise _Refuse(400, "the connection closed inside the request headers") from None
+            return False
+        method, path, version, headers = _parse_head(raw)
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(), self._token):
+            raise _Refuse(401, "missing or invalid bearer token", "unauthorized")
+        if method not in ("GET", "POST"):
+            raise _Refuse(405, f"method {method} is not allowed", "invalid_request_error")
+        length = _content_length(headers)
+        if length > self.max_body_bytes:
+            raise _Refuse(413, f"body exceeds {self.max_body_bytes} bytes")
+        body = b""
+        if length:
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    body = await reader.readexactly(length)
+            except TimeoutError:
+                raise _Refuse(408, f"request body not received within {self.body_timeout_s:g} s") from None
+        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        # the operation slots are taken once the request is whole: a slow body holds a
+        # connection (bounded, timed), never a slot the gateway's own calls need
+        if self.inflight >= self.max_inflight:
+            self.refused[429] = self.refused.get(429, 0) + 1
+            await self._write(
+                writer, *_error(429, "too many control requests in flight", "rate_limited"), keep
+            )
+            return keep
+        self.inflight += 1
+        try:
+            status, answer = await self._loop.run_in_executor(
+                self._pool, self.dispatch, method, path, auth, body
+            )
+        finally:
+            self.inflight -= 1
+        await self._write(writer, status, answer, keep)
+        return keep
+
+    async def _write(
+        self, writer: asyncio.StreamWriter, status: int, body: dict[str, Any] | str, keep: bool
+    ) -> None:
+        if isinstance(body, str):
+            data, kind = body.encode(), "text/plain; version=0.0.4"
+        else:
+            data, kind = json.dumps(body).encode(), "application/json"
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+            f"Content-Type: {kind}\r\nContent-Length: {len(data)}\r\n"
+            + ("" if keep else "Connection: close\r\n")
+            + "\r\n"
+        )
+        writer.write(head.encode() + data)
+        async with asyncio.timeout(self.body_timeout_s):  # a client that does not read is dropped
+            await writer.drain()
+
+    # -- the operations ----------------------------------------------------------------------
     def dispatch(
-        self, method: str, path: str, auth: str, handler: BaseHTTPRequestHandler
+        self, method: str, path: str, auth: str, raw: bytes = b""
     ) -> tuple[int, dict[str, Any] | str]:
+        """One authenticated request (``auth`` is checked again: a direct caller is not the
+        server), on a pool thread."""
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token or not hmac.compare_digest(token.encode(), self._token):
             return _error(401, "missing or invalid bearer token", "unauthorized")
+        try:
+            return self._dispatch(method, path, raw)
+        except _Refuse as r:
+            return _error(r.status, r.message, r.kind)
+
+    def _dispatch(self, method: str, path: str, raw: bytes) -> tuple[int, dict[str, Any] | str]:
         body: dict[str, Any] = {}
         if method == "POST":
-            length = int(handler.headers.get("Content-Length") or 0)
-            if length > 65536:
-                return _error(413, "body too large", "invalid_request_error")
             try:
-                body = json.loads(handler.rfile.read(length) or b"{}")
-            except json.JSONDecodeError as exc:
+                body = json.loads(raw or b"{}")
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 return _error(400, f"invalid JSON: {exc}", "invalid_request_error")
             if not isinstance(body, dict):
                 return _error(400, "body must be a JSON object", "invalid_request_error")
@@ -233,16 +427,24 @@ class ControlServer:
         if method == "GET" and path == "/metrics":
             return 200, svc.metrics()
         if method == "GET" and path.startswith("/v1/kv/sessions/"):
-            return 200, svc.session(path.removeprefix("/v1/kv/sessions/"))
+            return 200, svc.session(_session_id(urllib.parse.unquote(path.removeprefix("/v1/kv/sessions/"))))
         if method == "POST" and path == "/v1/kv/prefetch":
             ids = body.get("token_ids")
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids)
+            ):
                 return _error(
                     400, "token_ids (non-empty list of token ids) is required", "invalid_request_error"
                 )
-            hint = {k: body[k] for k in ("session_id", "pin_ttl_s") if k in body} or None
-            if hint is not None and "session_id" not in hint:
+            hint: dict[str, Any] | None = None
+            if "pin_ttl_s" in body and "session_id" not in body:
                 return _error(400, "pin_ttl_s needs session_id", "invalid_request_error")
+            if "session_id" in body:
+                hint = {"session_id": _session_id(body["session_id"])}
+                if "pin_ttl_s" in body:
+                    hint["pin_ttl_s"] = _ttl(body["pin_ttl_s"], "pin_ttl_s")
             try:
                 return 200, svc.prefetch(ids, hint)
             except LookupError as exc:
@@ -250,15 +452,52 @@ class ControlServer:
             except (urllib.error.URLError, OSError, ValueError) as exc:
                 return _error(502, f"prefetch through the engine failed: {exc}", "engine_error")
         if method == "POST" and path in ("/v1/kv/pin", "/v1/kv/unpin", "/v1/kv/evict"):
-            session_id = body.get("session_id")
-            if not isinstance(session_id, str) or not session_id:
-                return _error(400, "session_id (string) is required", "invalid_request_error")
+            session_id = _session_id(body.get("session_id"))
             if path == "/v1/kv/pin":
-                ttl = body.get("ttl_s")
-                if not isinstance(ttl, int | float) or ttl <= 0:
-                    return _error(400, "ttl_s (positive number) is required", "invalid_request_error")
-                return 200, svc.pin(session_id, float(ttl))
+                return 200, svc.pin(session_id, _ttl(body.get("ttl_s"), "ttl_s"))
             if path == "/v1/kv/evict":
                 return 200, svc.evict(session_id)
             return 200, svc.unpin(session_id)
         return _error(404, f"no route {method} {path}", "not_found")
+
+
+def _parse_head(raw: bytes) -> tuple[str, str, str, dict[str, str]]:
+    """Method, path, version and the headers (lower-case names) of a request head; _Refuse(400)
+    for anything malformed (a repeated header keeps the first only for lookups; Content-Length
+    is checked for repeats by :func:`_content_length`)."""
+    try:
+        text = raw[:-4].decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        raise _Refuse(400, "malformed request head") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1") or not parts[0].isalpha():
+        raise _Refuse(400, "malformed request line")
+    method, target, version = parts
+    headers: dict[str, str] = {}
+    lengths = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip() or not name.isprintable() or line[:1] in " \t":
+            raise _Refuse(400, "malformed header line")
+        value = value.strip(" \t")
+        if any(c in value for c in "\x00\r\n\x7f"):
+            raise _Refuse(400, f"invalid character in header {name!r}")
+        key = name.lower()
+        if key == "content-length":
+            lengths.append(value)
+        headers.setdefault(key, value)
+    if lengths:
+        headers["content-length"] = ",".join(lengths)
+    return method, target.split("?", 1)[0], version, headers
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    if "transfer-encoding" in headers:
+        raise _Refuse(501, "chunked request bodies are not supported: send Content-Length")
+    value = headers.get("content-length")
+    if value is None:
+        return 0
+    if not value.isdigit() or not value.isascii() or len(value) > 18:
+        raise _Refuse(400, f"invalid Content-Length {value[:40]!r}: one non-negative integer")
+    return int(value)

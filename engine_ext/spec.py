@@ -93,6 +93,10 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
             port=int(self.extra_config["control_port"]),
             token=str(self.extra_config.get("control_token") or ""),  # empty: refused
             max_inflight=int(self.extra_config.get("control_max_inflight", 8)),
+            max_connections=int(self.extra_config.get("control_max_connections", 64)),
+            header_timeout_s=float(self.extra_config.get("control_header_timeout_s", 5.0)),
+            body_timeout_s=float(self.extra_config.get("control_body_timeout_s", 10.0)),
+            max_body_bytes=int(self.extra_config.get("control_max_body_bytes", 4 * 1024 * 1024)),
         )
         server.start()
         self._control_server = server

@@ -1,5 +1,5 @@
 """`agentgw serve`: config -> (local engines when none are configured) -> create_app -> uvicorn.
-`agentgw plan`: the pool layout a trace asks for, from the simulator (benchmarks/plan.py)."""
+`agentgw plan`: the pool layout a trace asks for, from the simulator (gateway/sim/plan.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import logging
 import signal
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
@@ -16,29 +16,49 @@ from gateway.service.membership import read_pools_file
 from gateway.service.request_ids import install_log_filter
 from gateway.service.tenants import TenantRegistry
 
-if TYPE_CHECKING:
-    from gateway.local.engines import LocalEngine
 
-
-def _serve_app(config: GatewayConfig, log_level: str, reload: Any = None) -> None:
-    """Serve until SIGTERM/SIGINT; the drain (gateway/api/drain.py) runs before it returns."""
+def _serve_app(
+    config: GatewayConfig,
+    log_level: str,
+    reload: Any = None,
+    engine_notes: dict[str, str] | None = None,
+    on_server: Callable[[Any], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT; the drain (gateway/api/drain.py) runs before it returns.
+    ``on_server`` gets the server before it starts (to stop it from another thread)."""
     from gateway.api.app import create_app
     from gateway.api.server import GatewayServer, raise_fd_limit, uvicorn_config
 
     raise_fd_limit()  # idle clients and upstream streams both hold descriptors
     # header/body timeouts, header limits, the connection cap: see gateway/api/server.py
-    app = create_app(config, reload=reload)
+    app = create_app(config, reload=reload, engine_notes=engine_notes)
     # log_config None: uvicorn's own lines go through the root handler too (with the request id)
-    GatewayServer(uvicorn_config(app, config, log_level=log_level, log_config=None), app.drain).run()
+    server = GatewayServer(uvicorn_config(app, config, log_level=log_level, log_config=None), app.drain)
+    if on_server is not None:
+        on_server(server)
+    server.run()
 
 
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+CLIENTS = {
+    "claude": "run Claude Code against the gateway (AGENTGW_URL, default http://127.0.0.1:8000)",
+    "codex": "run Codex CLI against the gateway (AGENTGW_URL, default http://127.0.0.1:8000)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in and args_in[0] in CLIENTS:  # every other argument is the client's own
+        from gateway.local.harness import run_client
+
+        return run_client(args_in[0], args_in[1:])
     parser = argparse.ArgumentParser(prog="agentgw", description="Agentic OpenAI-compatible gateway for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in CLIENTS.items():
+        sub.add_parser(name, help=f"{help_text}; its arguments follow, e.g. `agentgw {name} --help`")
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", help="YAML config file (default: embedded local engines)")
     serve.add_argument("--host")
@@ -139,64 +159,73 @@ def layout_routing(layout: LocalLayout, config: GatewayConfig) -> dict[str, Any]
     return {"routing": routing}
 
 
-def _plan_module() -> Any:
-    """benchmarks.plan, from the checkout this package runs from (the simulator is not installed)."""
-    try:
-        import benchmarks.plan as plan
-    except ImportError:
-        root = Path(__file__).resolve().parents[1]
-        if not (root / "benchmarks" / "plan.py").exists():
-            raise
-        sys.path.insert(0, str(root))
-        import benchmarks.plan as plan
-    return plan
-
-
 def _add_plan(sub: Any) -> None:
-    plan = sub.add_parser("plan", help="recommend a pool layout for a trace and fleet (simulator)")
-    try:
-        _plan_module().add_arguments(plan)
-    except ImportError:  # no simulator here: `plan` then says so
-        plan.set_defaults(_no_sim=True)
+    from gateway.sim import plan
+
+    plan.add_arguments(
+        sub.add_parser("plan", help="recommend a pool layout for a trace and fleet (simulator)")
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
-    if getattr(args, "_no_sim", False):
-        print("agentgw plan: needs the simulator (benchmarks/ of the source checkout)", file=sys.stderr)
-        return 2
-    return int(_plan_module().run(args))
+    from gateway.sim import plan
+
+    return int(plan.run(args))
+
+
+def _say(message: str) -> None:
+    print(f"agentgw: {message}", file=sys.stderr, flush=True)
 
 
 def _serve_embedded(
     args: argparse.Namespace, layout: LocalLayout, routing: dict[str, Any], overrides: dict[str, object]
 ) -> int:
-    """No pools configured: start local engines on the tiny model and front them."""
-    from gateway.local.embedded import start_local_engines, stop_all
-    from gateway.local.engines import EngineError
+    """No pools configured: start local engines on the tiny model and front them. The gateway
+    listens while they start (gateway/local/startup.py says what they are doing every 10 s);
+    an engine that fails to start stops the gateway, and the exit status is 1."""
+    from gateway.local.embedded import DEFAULT_HOME, plan_local_engines, stop_all
+    from gateway.local.engines import EngineError, LocalEngine
+    from gateway.local.startup import EngineStartup, where_to_point
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     engines: list[LocalEngine] = []
+    startup: EngineStartup | None = None
     try:
-        print(f"agentgw: starting {layout.engines} local vLLM engines ({layout.label})...", file=sys.stderr)
-        engines, data = start_local_engines(layout)
+        _say(f"preparing the tiny model in {DEFAULT_HOME / 'models'}")
+        specs, data = plan_local_engines(layout)
         config = load_config(args.config, **data, **routing, **overrides)
-        print(
-            f"agentgw: engines ready; gateway on http://{config.listen.host}:{config.listen.port}",
-            file=sys.stderr,
-        )
-        _serve_app(config, args.log_level)
+        url = f"http://{config.listen.host}:{config.listen.port}"
+        logs = specs[0].log_path.parent
+        engines = [LocalEngine(spec) for spec in specs]
+        model = specs[0].served_model_name
+        startup = EngineStartup(engines, _say, where_to_point(url, model, logs))
+        _say(f"starting {layout.engines} local vLLM engines ({layout.label}); logs in {logs}")
+        startup.start()
+        _say(f"gateway on {url}: /ready answers 503 until the engines are up (about 1-2 minutes)")
+
+        def attach(server: Any) -> None:
+            def stop_server() -> None:
+                server.should_exit = True
+
+            assert startup is not None
+            startup.on_failure = stop_server
+
+        notes = {s.name: f"log {s.log_path}" for s in specs}
+        _serve_app(config, args.log_level, engine_notes=notes, on_server=attach)
     except KeyboardInterrupt:
         pass
     except (EngineError, ConfigError) as exc:
-        print(f"agentgw: {exc}", file=sys.stderr)
+        _say(str(exc))
         return 1
     finally:
         # uvicorn re-raises the signal that stopped it once it has shut down: ``_terminate`` turns
         # that into KeyboardInterrupt above; while the engines stop, further signals are ignored.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if startup is not None:
+            startup.stop()
         stop_all(engines)
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return 1 if startup is not None and startup.error is not None else 0
 
 
 if __name__ == "__main__":

@@ -132,67 +132,76 @@ class AnalysisConfig(_Strict):
     """CPU niceness of large-lane worker processes (the loop and the small lane preempt them)."""
     budget_ms: float = Field(2000.0, gt=0)
     """Longest wait for one analysis; past it the request is routed on the approximate index."""
-    max_backlog: int = Field(16, ge=1)
-    """Requests queued per worker beyond which new ones are routed approximately at once."""
+    max_backlog: int = Field(64, ge=1)
+    """Requests queued per worker beyond which new ones are routed approximately at once (the
+    budget bounds the wait too: a request whose predicted wait exceeds it is not queued)."""
     cache_bytes: int = Field(512 * 1024 * 1024, gt=0)
     """Content-keyed token cache, all workers together (fits a 24 GiB machine beside engines)."""
     session_tokens_bytes: int = Field(64 * 1024 * 1024, gt=0)
     """Token ids of each session's last prompt, kept for KV prefetch."""
 
 
+_ROUTING = RoutingParams()
+_PLANNER = PlannerParams()
+"""The core's defaults: the config's routing and migration sections take theirs from here."""
+
+
 class RoutingConfig(_Strict):
+    """The router's parameters (:class:`~gateway.core.router.RoutingParams`: every default is
+    its), plus what the service needs around it (``role_*``, ``forward_priority``, the index)."""
+
     profile: Literal[
         "agentic", "precise_prefix", "cache_aware", "least_loaded", "round_robin", "session_hash"
-    ] = "agentic"
-    first_turn_threshold_tokens: int = Field(4096, ge=0)
+    ] = _ROUTING.profile
+    first_turn_threshold_tokens: int = Field(_ROUTING.first_turn_threshold_tokens, ge=0)
     """Estimated uncached tokens at or above which a request goes to the first-turn pool."""
-    sticky_max_queue: int = Field(16, ge=0)
-    saturation_max_queue: int = Field(64, ge=0)
-    interactivity_tok_s: float = Field(RoutingParams().interactivity_tok_s, ge=0)
+    sticky_max_queue: int = Field(_ROUTING.sticky_max_queue, ge=0)
+    saturation_max_queue: int = Field(_ROUTING.saturation_max_queue, ge=0)
+    interactivity_tok_s: float = Field(_ROUTING.interactivity_tok_s, ge=0)
     """Decode speed the ``agentic`` picker protects: a turn leaves its home (or best-scored
     engine) when its KV there would pass the knee where the ``cost_decode_ms`` step reaches
     1000 / this ms, for an engine that stays under it (reason ``kv_balance``); 0: off."""
-    knee_move_max_s: float = Field(RoutingParams().knee_move_max_s, ge=0)
+    knee_move_max_s: float = Field(_ROUTING.knee_move_max_s, ge=0)
     """Most TTFT (s, estimated from uncached tokens and queue) a ``kv_balance`` move may add to
     the turn; past it the turn stays home past the knee. 0: any move."""
-    prefill_s_per_token: float = Field(2e-5, ge=0)
-    queue_s_per_request: float = Field(0.05, ge=0)
-    cold_home_no_affinity: bool = RoutingParams().cold_home_no_affinity
+    prefill_s_per_token: float = Field(_ROUTING.prefill_s_per_token, ge=0)
+    queue_s_per_request: float = Field(_ROUTING.queue_s_per_request, ge=0)
+    cold_home_no_affinity: bool = _ROUTING.cold_home_no_affinity
     """A session whose home holds less than half the prompt the best engine holds is re-scored
     without the home's ``session_affinity`` bonus (``rehome_cold``)."""
-    new_session_load: bool = RoutingParams().new_session_load
+    new_session_load: bool = _ROUTING.new_session_load
     """A new session that the scores send to an engine for a prefix it holds (a shared system
     prompt) goes to the engine with the lowest estimated time to first token (uncached tokens
     x ``prefill_s_per_token`` + queue x ``queue_s_per_request``) when that is lower
     (``new_session_load``): sessions spread instead of piling onto that engine."""
-    split: Literal["cost", "wall"] = "cost"
+    split: Literal["cost", "wall"] = _ROUTING.split
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
     sides with the engine cost model below (gateway/core/policies/split.py) and the load the
     gateway measures (in-flight prefills and decodes per engine): an idle warm engine takes a
     first turn, a busy one leaves it to the first-turn pool; ``wall`` is the fixed
     ``first_turn_threshold_tokens``."""
-    cost_prefill_ms: tuple[float, float, float] = RoutingParams().cost_prefill_ms
+    cost_prefill_ms: tuple[float, float, float] = _ROUTING.cost_prefill_ms
     """Pass time of T uncached tokens: p0 + p1*T + p2*T^2 ms (fit to the engines' step times)."""
-    cost_chunk_tokens: int = Field(RoutingParams().cost_chunk_tokens, gt=0)
+    cost_chunk_tokens: int = Field(_ROUTING.cost_chunk_tokens, gt=0)
     """min(--max-num-batched-tokens, --long-prefill-token-threshold) of the engines."""
-    cost_decode_ms: tuple[float, float, float] = RoutingParams().cost_decode_ms
+    cost_decode_ms: tuple[float, float, float] = _ROUTING.cost_decode_ms
     """Decode step at KV use u: max(1, d0 + d1*u + d2*u^2) ms."""
-    cost_decode_seq_ms: float = Field(RoutingParams().cost_decode_seq_ms, ge=0)
+    cost_decode_seq_ms: float = Field(_ROUTING.cost_decode_seq_ms, ge=0)
     """Decode step added per decoding sequence (ms; 0 unless the engines' step grows with the batch)."""
-    cost_decode_kv_ms_per_mtok: float = Field(RoutingParams().cost_decode_kv_ms_per_mtok, ge=0)
+    cost_decode_kv_ms_per_mtok: float = Field(_ROUTING.cost_decode_kv_ms_per_mtok, ge=0)
     """Decode step added per million context tokens read, the context taken as u times
     ``cost_kv_capacity_tokens`` (ms; an H200 fit: 42.15)."""
-    cost_kv_capacity_tokens: int = Field(RoutingParams().cost_kv_capacity_tokens, ge=0)
+    cost_kv_capacity_tokens: int = Field(_ROUTING.cost_kv_capacity_tokens, ge=0)
     """One engine's KV capacity in tokens for the context term (0: unknown, term left out)."""
-    cost_decode_seq_tokens: int = Field(RoutingParams().cost_decode_seq_tokens, ge=0)
+    cost_decode_seq_tokens: int = Field(_ROUTING.cost_decode_seq_tokens, ge=0)
     """Typical decoding sequence context, to estimate the batch at the decode knee (0: one sequence)."""
-    kv_bytes_per_token: int = Field(RoutingParams().kv_bytes_per_token, gt=0)
+    kv_bytes_per_token: int = Field(_ROUTING.kv_bytes_per_token, gt=0)
     """KV bytes per token, for pricing a session's KV move in the split's cost rule."""
-    move_bytes_per_s: float = Field(RoutingParams().move_bytes_per_s, ge=0)
+    move_bytes_per_s: float = Field(_ROUTING.move_bytes_per_s, ge=0)
     """Transfer rate of a KV move between engines (bytes/s), for the split's cost rule."""
-    split_move_weight: float = Field(0.5, ge=0)
+    split_move_weight: float = Field(_ROUTING.split_move_weight, ge=0)
     """Weight of the later KV move in the first-turn pool's cost (work-conserving split)."""
-    split_interference_weight: float = Field(1.0, ge=0)
+    split_interference_weight: float = Field(_ROUTING.split_interference_weight, ge=0)
     """Weight of the decode interference a warm engine's uncached prefill causes (work-conserving split)."""
     role_controller: bool = False
     """Re-assign engines between ``first_turn`` and ``warm`` from the measured prefill backlog and
@@ -203,7 +212,7 @@ class RoutingConfig(_Strict):
     """Prefill backlog (uncached prompt tokens, all engines) one first-turn engine is sized for."""
     role_min_dwell_s: float = Field(30.0, ge=0)
     """An engine keeps a role at least this long before the controller changes it again."""
-    weights: dict[str, float] = Field(default_factory=lambda: dict(RoutingParams().weights))
+    weights: dict[str, float] = Field(default_factory=lambda: dict(_ROUTING.weights))
     """Scorer weights of the ``agentic`` profile (see gateway/core/policies/scorers.py)."""
     forward_priority: bool = False
     """Forward hinted priority as vLLM's ``priority`` (engines run --scheduling-policy priority)."""
@@ -313,7 +322,13 @@ class ServerConfig(_Strict):
     """Limits the HTTP server enforces on clients (see gateway/api/server.py)."""
 
     max_connections: int = Field(8192, gt=0)
-    """Open client connections; past it new ones get a 503 and are closed."""
+    """Open client connections; past it new ones get a 503 and are closed (but for
+    ``server.probe_reserve``)."""
+    probe_reserve: int = Field(16, ge=0)
+    """Connections past ``server.max_connections`` kept for liveness and readiness probes: one
+    of them may ask ``GET /health`` or ``GET /ready`` (any other request gets the 503), is
+    closed after its answer and must send its headers within 2 s, so a socket flood does not
+    fail the probes."""
     max_header_count: int = Field(100, gt=0)
     """Request headers accepted; past it a 431."""
     max_header_bytes: int = Field(64 * 1024, gt=0)
@@ -355,21 +370,23 @@ class HintsConfig(_Strict):
 
 
 class MigrationConfig(_Strict):
-    """Inter-turn KV placement through engine_ext's control API (engines with ``control_url``)."""
+    """Inter-turn KV placement through engine_ext's control API (engines with ``control_url``):
+    the planner's parameters (:class:`~gateway.core.planner.PlannerParams`: every default is
+    its) and the executor's."""
 
     enabled: bool = True
     control_token: str | None = None
     max_per_engine: int = Field(2, ge=1)
     """Concurrent prefetches per target engine, so migrations never starve live traffic."""
     prefetch_timeout_s: float = Field(120.0, gt=0)
-    pin_margin_s: float = Field(5.0, ge=0)
-    max_pin_s: float = Field(600.0, gt=0)
-    demote_after_s: float = Field(120.0, gt=0)
-    default_gap_s: float = Field(10.0, ge=0)
-    rebalance_queue: int = Field(16, ge=1)
-    max_target_queue: int = Field(8, ge=0)
-    kv_bytes_per_token: int = Field(8192, gt=0)
-    move_bytes_per_s: float = Field(2e9, gt=0)
+    pin_margin_s: float = Field(_PLANNER.pin_margin_s, ge=0)
+    max_pin_s: float = Field(_PLANNER.max_pin_s, gt=0)
+    demote_after_s: float = Field(_PLANNER.demote_after_s, gt=0)
+    default_gap_s: float = Field(_PLANNER.default_gap_s, ge=0)
+    rebalance_queue: int = Field(_PLANNER.rebalance_queue, ge=1)
+    max_target_queue: int = Field(_PLANNER.max_target_queue, ge=0)
+    kv_bytes_per_token: int = Field(_PLANNER.kv_bytes_per_token, gt=0)
+    move_bytes_per_s: float = Field(_PLANNER.move_bytes_per_s, gt=0)
 
     def params(self) -> PlannerParams:
         """The pure planner's parameters (the fields both share)."""

@@ -95,7 +95,10 @@ def anthropic_error_body(status: int, message: str) -> bytes:
 def reshape_upstream_error(status: int, body: bytes) -> bytes:
     """An engine's error body in the OpenAI shape.
 
-    Already OpenAI-shaped (``{"error": {"message": ...}}``): returned as is. vLLM/FastAPI's
+    OpenAI-shaped with vLLM's own ``type`` and ``code`` (``{"error": {"message": ..., "type":
+    "BadRequestError", "code": 400}}``): the message and a string ``param`` kept, ``type`` the
+    gateway's for the status (``invalid_request_error`` for a 400), ``code`` the engine's when it
+    is a string (OpenAI's codes are), else ``upstream_error``. vLLM/FastAPI's
     ``{"detail": "..."}`` or ``{"detail": [{"loc": [...], "msg": ...}, ...]}``, a bare
     ``{"message": ...}``, ``{"error": "text"}``, any other JSON or plain text: re-shaped, the
     message kept (truncated to 2,000 characters) and ``param`` taken from a validation error's
@@ -111,7 +114,13 @@ def reshape_upstream_error(status: int, body: bytes) -> bytes:
     if isinstance(doc, dict):
         err = doc.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return body
+            param_in, code_in = err.get("param"), err.get("code")
+            return error_body(
+                status,
+                _clip(err["message"]) or _default(status),
+                param_in if isinstance(param_in, str) and param_in else None,
+                code_in if isinstance(code_in, str) and code_in else "upstream_error",
+            )
         param: str | None = None
         detail = doc.get("detail", doc.get("message", err))
         if isinstance(detail, list) and detail and isinstance(detail[0], dict):

@@ -8,6 +8,11 @@
 # its own aiperf venv. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/progress.sh
+. scripts/progress.sh  # step: a line every 10 s while an install runs, its output in a log
+: "${HOME:=$(getent passwd "$(id -u)" | cut -d: -f6)}"
+LOGS=${AGENTGW_HOME:-$HOME/.cache/agentgw}/logs
+STEP_PREFIX=bench-setup
 
 VLLM_ROUTER_VERSION=0.1.17
 DYNAMO_VERSION=1.6.1
@@ -22,9 +27,8 @@ done
 SUDO=""
 if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
 if ! command -v wrk >/dev/null 2>&1; then
-  echo "bench-setup: installing wrk (apt)"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq wrk >/dev/null
+  step bench-apt "installing wrk (apt)" bash -c \
+    "$SUDO apt-get update && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y wrk"
 fi
 
 PY=${PYTHON:-python3}
@@ -35,9 +39,9 @@ try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass' "$2" || true
 }
 if [ "$(pip_version .bench-venv vllm-router)" != "$VLLM_ROUTER_VERSION" ] || [ ! -x .bench-venv/bin/vllm-router ]; then
-  echo "bench-setup: installing vllm-router $VLLM_ROUTER_VERSION into .bench-venv"
   [ -x .bench-venv/bin/python ] || "$PY" -m venv .bench-venv
-  .bench-venv/bin/python -m pip install -q "vllm-router==$VLLM_ROUTER_VERSION"
+  step bench-router "installing vllm-router $VLLM_ROUTER_VERSION into .bench-venv" \
+    .bench-venv/bin/python -m pip install "vllm-router==$VLLM_ROUTER_VERSION"
 fi
 
 if [ "$with_dynamo" = 1 ] && [ "$(pip_version .dynamo-venv ai-dynamo)" != "$DYNAMO_VERSION" ]; then
@@ -51,7 +55,7 @@ if [ "$with_dynamo" = 1 ] && [ "$(pip_version .dynamo-venv ai-dynamo)" != "$DYNA
     echo "bench-setup: --with-dynamo needs a Python 3.10 (set DYNAMO_PYTHON_BASE)" >&2
     exit 1
   fi
-  echo "bench-setup: installing ai-dynamo $DYNAMO_VERSION into .dynamo-venv"
   [ -x .dynamo-venv/bin/python ] || "$PY310" -m venv .dynamo-venv
-  .dynamo-venv/bin/python -m pip install -q "ai-dynamo==$DYNAMO_VERSION"
+  step bench-dynamo "installing ai-dynamo $DYNAMO_VERSION into .dynamo-venv (~630 MB)" \
+    .dynamo-venv/bin/python -m pip install "ai-dynamo==$DYNAMO_VERSION"
 fi

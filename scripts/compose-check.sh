@@ -4,7 +4,7 @@
 # with prefix-cache hits, a killed warm engine), then tear it all down, also on failure.
 #
 #   scripts/compose-check.sh            (run by scripts/test.sh after pytest; needs root or docker
-#                                        access, docker.io, docker-compose, debootstrap: setup.sh)
+#                                        access, docker.io, docker-compose, debootstrap: setup.sh --test)
 #
 # - starts dockerd in the background when no daemon answers (log .agentgw/dockerd.log);
 # - builds the base image agentgw-base:bookworm with debootstrap when it is missing;

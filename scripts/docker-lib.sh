@@ -9,9 +9,15 @@
 # Start dockerd in the background when no daemon answers (log $STATE/dockerd.log).
 ensure_dockerd() {
   docker info >/dev/null 2>&1 && return 0
-  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh installs docker.io)" >&2; return 1; }
+  command -v dockerd >/dev/null || { echo "no dockerd (scripts/setup.sh --test installs docker.io)" >&2; return 1; }
   log "starting dockerd"
-  setsid dockerd >"$STATE/dockerd.log" 2>&1 < /dev/null &
+  # the daemon outlives this script: it must not inherit the caller's descriptors beyond 0-2,
+  # or it holds what they hold for ever (the flock of `flock /tmp/agentgw-heavy.lock
+  # scripts/compose-check.sh`: every later job waiting on that lock waited on dockerd)
+  (
+    for fd in /proc/self/fd/*; do n=${fd##*/}; [ "$n" -gt 2 ] 2>/dev/null && eval "exec $n>&-"; done
+    exec setsid dockerd
+  ) >"$STATE/dockerd.log" 2>&1 < /dev/null &
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { tail -20 "$STATE/dockerd.log" >&2; return 1; }
 }
@@ -45,7 +51,7 @@ cpu_wheelhouse() {
   # async-timeout: redis needs it below Python 3.11.3 (Debian's is 3.11.2); pip evaluates markers
   # for the interpreter it runs on, not the image's
   net_retry "$PY" -m pip download -q --only-binary=:all: -d "$dir" "torch==2.13.0+cpu" ".[engine,store]" \
-    "setuptools>=68" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
+    "setuptools>=77" wheel pip "async-timeout>=4.0.3" >"$STATE/wheels.log" 2>&1 \
     || { tail -30 "$STATE/wheels.log" >&2; return 1; }
   echo "$want" > "$dir/.stamp"
 }

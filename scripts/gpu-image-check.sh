@@ -38,7 +38,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   cert=()
   [ -f /etc/ssl/certs/ca-certificates.crt ] && cert=(--cert /etc/ssl/certs/ca-certificates.crt)
   "$PY" -m pip download --isolated "${cert[@]}" --index-url "$INDEX" -q --only-binary=:all: -d "$WHEELS" \
-    "vllm==0.32.0" mooncake-transfer-engine . "setuptools>=68" wheel pip "async-timeout>=4.0.3" \
+    "vllm==0.32.0" mooncake-transfer-engine . "setuptools>=77" wheel pip "async-timeout>=4.0.3" \
     "pytest>=8" >"$STATE/wheels-gpu.log" 2>&1 || { tail -30 "$STATE/wheels-gpu.log" >&2; exit 1; }
   echo "$want" > "$stamp"
 fi

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite: real vLLM engines on tiny local models,
+# Set up everything the tests need (scripts/setup.sh --test) and run the whole test suite: real vLLM engines on tiny local models,
 # a real redis-server and mooncake_master, all started by the tests on loopback and stopped; then
 # scripts/compose-check.sh (the images and docker-compose.yml's cpu profile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --test
 .venv/bin/ruff check gateway engine_ext kernels benchmarks tests
 .venv/bin/mypy
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -184,7 +184,7 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaste
         # on this master.
         master = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log", client_ttl_s=60)
     except FileNotFoundError as exc:
-        pytest.fail(f"{exc} (./scripts/setup.sh installs it)")
+        pytest.fail(f"{exc} (./scripts/setup.sh --test installs it)")
     with master:
         yield master
 
@@ -214,7 +214,7 @@ def fake_engine(*args: str) -> Iterator[str]:
 def redis_url() -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed (the README's test command installs it)")
+        pytest.fail("redis-server is not installed (./scripts/setup.sh --test installs it)")
     port = free_ports(1)[0]
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],

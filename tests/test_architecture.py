@@ -83,3 +83,26 @@ def test_prompt_analysis_is_one_package_behind_one_interface() -> None:
             continue
         bad += [f"{f.relative_to(ROOT)} imports {m}" for m in imports(f) if m.startswith("gateway.analysis.")]
     assert bad == []
+
+
+def test_only_the_transport_imports_aiohttp() -> None:
+    """One HTTP client API (httpx's) everywhere; aiohttp is the transport under it, in one module."""
+    bad = [
+        f"{f.relative_to(ROOT)}"
+        for f in ROOT.rglob("*.py")
+        if f != ROOT / "service" / "proxy.py"
+        and any(m == "aiohttp" or m.startswith("aiohttp.") for m in imports(f))
+    ]
+    assert bad == []
+
+
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """The simulator and ``agentgw plan`` are the package's; benchmark scripts import it."""
+    assert violations(".", {"benchmarks"}) == []
+
+
+def test_the_simulator_drives_the_core_only() -> None:
+    """gateway/sim runs the routing core in virtual time: no service, no edge, no I/O framework."""
+    assert (
+        violations("sim", {"gateway.service", "gateway.api", "asyncio", "httpx", "aiohttp", "fastapi"}) == []
+    )

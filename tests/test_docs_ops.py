@@ -1,4 +1,4 @@
-"""docs/operations.md and deploy/ against the code: the generated configuration and metric tables
+"""docs/operations.md, docs/configuration.md and deploy/ against the code: the generated configuration and metric tables
 are current, every configuration key has a meaning, every metric a served gateway exports is
 documented, and every Grafana query names series that really exist (the gateway's /metrics,
 the metric names vLLM 0.32 defines, a real mooncake_master's /metrics)."""
@@ -17,12 +17,14 @@ import vllm
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import docs_config
+from gateway.config import load_config
 from gateway.local.mooncake import MooncakeMaster
+from scripts import docs_config
 from tests.conftest import ServedGateway
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "operations.md"
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
 GRAFANA = ROOT / "deploy" / "grafana" / "agentgw.json"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
 
@@ -76,26 +78,40 @@ def exprs() -> list[tuple[str, str]]:
 
 
 # -- the generated reference sections --------------------------------------------------------------
-def test_operations_doc_reference_sections_are_current() -> None:
-    text = DOC.read_text()
-    assert docs_config.render(text) == text, "run: python -m gateway.docs_config"
+def test_the_generated_reference_sections_are_current() -> None:
+    for doc in (DOC, CONFIG_DOC):
+        text = doc.read_text()
+        assert docs_config.render(text) == text, f"{doc.name}: run python -m scripts.docs_config"
+    assert docs_config.main(["--check"]) == 0
 
 
 def test_docs_config_check_fails_on_a_diverged_doc(tmp_path: Path) -> None:
-    stale = tmp_path / "operations.md"
-    stale.write_text(DOC.read_text().replace("`listen.port`", "`listen.prt`"))
+    stale = tmp_path / "configuration.md"
+    stale.write_text(CONFIG_DOC.read_text().replace("`listen.port`", "`listen.prt`"))
     assert docs_config.main(["--check", "--doc", str(stale)]) == 1
     assert docs_config.main(["--doc", str(stale)]) == 0  # rewrites it
     assert docs_config.main(["--check", "--doc", str(stale)]) == 0
-    assert stale.read_text() == DOC.read_text()
+    assert stale.read_text() == CONFIG_DOC.read_text()
 
 
 def test_every_config_key_has_a_meaning_and_no_note_is_stale() -> None:
     keys = docs_config.config_keys()
     assert [k for k, meaning in keys if not meaning] == []
     assert set(docs_config.NOTES) - {k for k, _ in keys} == set()
-    text = DOC.read_text()
+    text = CONFIG_DOC.read_text()
     assert [k for k, _ in keys if f"| `{k}` |" not in text] == []
+
+
+def test_the_configuration_docs_example_loads(tmp_path: Path) -> None:
+    """The YAML example in docs/configuration.md, as written, is a valid configuration."""
+    blocks = re.findall(r"```yaml\n(.*?)```", CONFIG_DOC.read_text(), flags=re.S)
+    assert blocks
+    for block in blocks:
+        path = tmp_path / "agentgw.yaml"
+        path.write_text(block)
+        config = load_config(str(path))
+        assert [p.name for p in config.pools] == ["first_turn", "warm"]
+        assert config.models[0].block_size == 128  # the engines' blocks
 
 
 def test_every_exported_metric_is_documented(gateway_series: dict[str, set[str]]) -> None:

@@ -1,6 +1,6 @@
-"""The gateway service and the simulator run one turn pipeline: the same turns, replayed through a
-running gateway (three stand-in engines) and through the simulator's glue (three modeled engines),
-get the same routing decision, turn by turn.
+"""The gateway and the simulator drive one routing core: the same turns, replayed through the
+gateway's whole hot path (three engines on an injected transport) and through the simulator (three
+modeled engines), get the same routing decision, turn by turn.
 
 The turns: four sessions over two long system prompts, growing over four turns each, the first
 with a subagent. Load is equal everywhere when each turn arrives (one turn at a time, idle
@@ -10,19 +10,18 @@ pipeline feeds the router: the session's home, the prefix matches, the parent an
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from benchmarks.sim.cluster import MODEL, SimConfig, simulate
-from benchmarks.sim.traces import Dep, Play, TraceRequest
+from gateway.api.app import create_app
+from gateway.config import load_config
 from gateway.core.router import RoutingParams
 from gateway.core.turn import approx_hashes
-from gateway.protocol import parse_body
 from gateway.service.prompts import prompt_text
-from tests.conftest import ServedGateway, fake_engine, wait_ready
+from gateway.sim.cluster import MODEL, SimConfig, simulate
+from gateway.sim.traces import Dep, Play, TraceRequest
+from gateway.wire.openai import parse_body
 
 CHUNK = 512
 WEIGHTS = {
@@ -88,40 +87,43 @@ def _body(messages: list[dict[str, str]]) -> bytes:
     return orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": 4})
 
 
-@contextlib.contextmanager
-def _engines() -> Iterator[list[str]]:
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(fake_engine("--model", MODEL, "--tokens", "4")) for _ in range(3)]
-
-
-def _config(urls: list[str]) -> dict[str, Any]:
+def _config() -> dict[str, Any]:
+    engines = [{"name": f"w{i}", "url": f"http://w{i}.test", "model": MODEL} for i in range(3)]
     return {
-        "pools": [
-            {
-                "name": "default",
-                "role": "any",
-                "engines": [{"name": f"w{i}", "url": u, "model": MODEL} for i, u in enumerate(urls)],
-            }
-        ],
+        "pools": [{"name": "default", "role": "any", "engines": engines}],
         "routing": {"profile": "agentic", "weights": WEIGHTS, "approx_chunk_chars": CHUNK},
-        "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
     }
 
 
-def test_the_service_and_the_simulator_route_the_same_turns_to_the_same_engines() -> None:
+async def _engine(request: httpx.Request) -> httpx.Response:
+    """Three idle engines that answer every turn the same (health and metrics: 200, nothing)."""
+    if request.url.path != "/v1/chat/completions":
+        return httpx.Response(200, text="")
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}
+    return httpx.Response(200, json=answer)
+
+
+async def _served(turns: list[tuple[str, str | None, str, list[dict[str, str]]]]) -> list[tuple[str, str]]:
+    """The gateway's decisions, turn by turn (its whole hot path, on an injected transport)."""
+    app = create_app(load_config(None, **_config()), transport=httpx.MockTransport(_engine))
+    out = []
+    async with (
+        app.api.router.lifespan_context(app.api),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client,
+    ):
+        for session, parent, _, messages in turns:
+            headers = {"x-agent-session-id": session, "x-agent-tool-latency-ms": "1000"}
+            if parent is not None:
+                headers |= {"x-agent-parent-session-id": parent, "x-agent-fan-out": "1"}
+            r = await client.post("/v1/chat/completions", content=_body(messages), headers=headers)
+            assert r.status_code == 200, r.text
+            out.append((r.headers["x-agentgw-engine"], r.headers["x-agentgw-reason"]))
+    return out
+
+
+async def test_the_service_and_the_simulator_route_the_same_turns_to_the_same_engines() -> None:
     turns = _turns()
-    # the gateway, turn by turn
-    served: list[tuple[str, str]] = []
-    with _engines() as urls, ServedGateway(_config(urls)) as gw:
-        wait_ready(gw.url)
-        with httpx.Client(base_url=gw.url, timeout=30) as client:
-            for session, parent, _, messages in turns:
-                headers = {"x-agent-session-id": session, "x-agent-tool-latency-ms": "1000"}
-                if parent is not None:
-                    headers |= {"x-agent-parent-session-id": parent, "x-agent-fan-out": "1"}
-                r = client.post("/v1/chat/completions", content=_body(messages), headers=headers)
-                assert r.status_code == 200, r.text
-                served.append((r.headers["x-agentgw-engine"], r.headers["x-agentgw-reason"]))
+    served = await _served(turns)
     # the simulator, same turns, one play per session, one play at a time
     plays = [_play(s, [t for t in turns if t[0].split("#")[0] == s]) for s in ("s0", "s1", "s2", "s3")]
     sim = simulate(

@@ -4,7 +4,9 @@ Hugging Face ``tokenizers`` spends ~1.4 us a token on this machine, most of it i
 (normalisation, pre-tokenisation, offsets and alignments), not in the merges; an agent turn's
 new ~3,400 tokens cost ~5-6 ms to encode, more CPU than vllm-router spends on a whole request.
 ``tiktoken``'s core runs the same two steps (a regex split, then byte-pair merges by rank) at
-~0.4 us a token. :func:`FastBPE.from_tokenizer_json` builds one from a ``tokenizer.json`` when
+~0.3 us a token; the C encoder of gateway/analysis/_native.c (built at install when a C compiler
+is there) runs them for GPT-2's, Llama 3's and Qwen 2's split regexes, scanned by hand, faster
+again. :func:`FastBPE.from_tokenizer_json` builds one from a ``tokenizer.json`` when
 its pipeline is one this encoder reproduces, and says why not otherwise:
 
 - model ``BPE`` with no dropout, no unknown token, no byte fallback and no subword affixes;
@@ -27,18 +29,53 @@ on the first disagreement (counted, logged).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
 import unicodedata
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROBE_TEXTS", "FastBPE"]
+try:
+    from gateway.analysis import _native
+except ImportError:  # not built (no C compiler at install): tiktoken's core does it all
+    _native = None
+
+__all__ = ["NATIVE_PATTERNS", "PROBE_TEXTS", "FastBPE"]
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 """Hugging Face's ``ByteLevel`` pre-tokenizer regex (``use_regex=True``)."""
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+"""Llama 3's ``Split`` regex."""
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+"""Qwen 2's ``Split`` regex (single digits)."""
+NATIVE_PATTERNS = {GPT2_PATTERN: 0, LLAMA3_PATTERN: 1, QWEN2_PATTERN: 2}
+"""The split regexes the C encoder (gateway/analysis/_native.c) scans by hand, by its kind."""
+_WHITE_SPACE = [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029]
+_WHITE_SPACE += [0x202F, 0x205F, 0x3000]
+
+
+@functools.cache
+def _classes() -> bytes:
+    """One byte per code point for the C encoder: 1 letter, 2 number, 4 white space (Unicode's
+    White_Space), 8 unassigned in this Python's Unicode data (a text with one is encoded by
+    tiktoken, whose tables may be newer)."""
+    out = bytearray(0x110000)
+    out[0x40000:0xE0000] = b"\x08" * 0xA0000  # planes 4-13: nothing assigned (a test checks it)
+    cat = unicodedata.category
+    for cp in itertools.chain(range(0x40000), range(0xE0000, 0x110000)):
+        c = cat(chr(cp))
+        out[cp] = 1 if c[0] == "L" else 2 if c[0] == "N" else 8 if c == "Cn" else 0
+    for cp in _WHITE_SPACE:
+        out[cp] = 4
+    return bytes(out)
+
 
 PROBE_TEXTS: tuple[str, ...] = (
     "Hello, world.\n  x = 1 \tdéjà vu\n\nEnd",
@@ -79,8 +116,13 @@ class FastBPE:
         rank_to_id: list[int] | None,
         added: dict[str, tuple[int, bool]],
         nfc: bool,
+        native: Any = None,
     ) -> None:
         self._core = core
+        self._native = native
+        """The C encoder (same ids, several times faster) when built and the split regex is one
+        it scans; a text it refuses (a code point newer than this Python's Unicode data) goes
+        to tiktoken's core."""
         self._rank_to_id = rank_to_id
         self._added = added
         self._nfc = nfc
@@ -170,7 +212,11 @@ class FastBPE:
             )
         except Exception as exc:  # tiktoken rejects the pattern or ranks
             return None, f"tiktoken refused it: {exc}"
-        out = cls(core, None if mono else order, added, norm is not None)
+        kind = NATIVE_PATTERNS.get(pattern)
+        native = (
+            _native.Encoder(ranks, kind, _classes()) if _native is not None and kind is not None else None
+        )
+        out = cls(core, None if mono else order, added, norm is not None, native)
         for b in ranks:
             if len(b) > 1:
                 try:
@@ -180,30 +226,49 @@ class FastBPE:
         return out, ""
 
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-        ids: list[int] = []
+        ids, specials = self.encode_array(text)
+        return ids.tolist(), specials
+
+    def encode_array(self, text: str) -> tuple[array[int], list[tuple[int, int, int]]]:
+        """:meth:`encode` with the ids in an ``array("i")`` (the C encoder's bytes copied in
+        once, no int objects)."""
+        ids = array("i")
         specials: list[tuple[int, int, int]] = []
         pos = 0
         if self._split is not None:
             for m in self._split.finditer(text):
                 if m.start() > pos:
-                    ids += self._ordinary(text[pos : m.start()])
+                    self._ordinary(text[pos : m.start()], ids)
                 tid, special = self._added[m.group()]
                 if special:
                     specials.append((len(ids), m.start(), m.end()))
                 ids.append(tid)
                 pos = m.end()
         if pos < len(text):
-            ids += self._ordinary(text[pos:] if pos else text)
+            self._ordinary(text[pos:] if pos else text, ids)
         return ids, specials
 
-    def _ordinary(self, seg: str) -> list[int]:
+    def _ordinary(self, seg: str, out: array[int]) -> None:
         if self._nfc:
             seg = unicodedata.normalize("NFC", seg)
-        out: list[int] = self._core.encode_ordinary(seg)
+        if self._native is not None and self._rank_to_id is None:
+            try:
+                out.frombytes(self._native.encode_bytes(seg))
+                return
+            except ValueError:  # an unassigned code point, a lone surrogate: tiktoken's way
+                pass
+        got: list[int]
+        if self._native is not None:
+            try:
+                got = self._native.encode(seg)
+            except ValueError:
+                got = self._core.encode_ordinary(seg)
+        else:
+            got = self._core.encode_ordinary(seg)
         if self._rank_to_id is not None:
             r = self._rank_to_id
-            out = [r[x] for x in out]
-        return out
+            got = [r[x] for x in got]
+        out.extend(got)
 
     def check(self, tokenizer: Any, texts: Iterable[str] = ()) -> str:
         """The start-up check: :meth:`agrees` on :data:`PROBE_TEXTS`, ``texts`` and every

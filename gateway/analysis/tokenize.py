@@ -6,13 +6,19 @@ tokenizer with ``add_special_tokens=False`` (a completions prompt gets the token
 as vLLM encodes it with ``add_special_tokens=True``), and hashed with vLLM's block-hash chain.
 
 **Content-keyed incremental cache.** A request's key chain is ``k_0 = H(kind, tools, template
-kwargs, cache_salt)``, ``k_i = H(k_{i-1}, H(message_i))`` (a completions prompt is cut in
-fixed-size chunks instead of messages). Every cached entry (rendered text, token ids as an
+kwargs, cache_salt)``, ``k_i = hash(k_{i-1}, sketch(message_i))`` (a sketch reads a long string
+by its length, head and tail, so keying costs O(messages), not O(text); wherever a cached answer
+or render is reused the messages themselves are compared; a completions prompt is cut in
+fixed-size chunks instead of messages, keyed whole). Every cached entry (rendered text, token ids as an
 ``array``, special-token boundaries, raw block hashes) is findable under each of its keys, so a
 request whose first ``i`` messages equal a cached entry's (the next turn of a session, another
 session with the same system prompt and tools, a turn that was served by another replica) starts
 from that entry; a request whose whole chain ends at an entry's last key is that entry's prompt
-and is answered from it without rendering (unless the template reads the date). Otherwise only
+and is answered from it without rendering (unless the template reads the date). A request that
+extends an entry's whole conversation by new messages (an agent's next turn) renders only those:
+the entry's render without its generation prompt, then what the new messages add to a short
+stand-in of the old ones (:meth:`ChatTokenizer._stitch`; checked against whole renders on a probe
+at start-up and on a sample of live turns, off for good on the first difference). Otherwise only
 the longest common *text* prefix is trusted, and only up to the last
 special token lying wholly inside it: special tokens are split out before BPE runs, so the text
 after one tokenizes independently of what precedes it (checked on a probe at start-up). Only new
@@ -32,26 +38,32 @@ import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import orjson
 from tokenizers import Tokenizer
 
 from gateway.analysis.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
-from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE
-from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash
+from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE, _native
+from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash, salt_keys
 from gateway.errors import ApiError
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
+_CBOR_NONE = b"\xf6"
 PROMPT_CHUNK_CHARS = 4096
 """A completions prompt is keyed in chunks of this many characters."""
 TOKEN_CHUNK = 2048
 """A token-id prompt is keyed in chunks of this many tokens."""
+RENDER_CHECK_FIRST = 8
+RENDER_CHECK_EVERY = 64
+"""The first ``RENDER_CHECK_FIRST`` incremental renders, then one in ``RENDER_CHECK_EVERY``, are
+also rendered whole and compared."""
 FAST_CHECK_FIRST = 8
 FAST_CHECK_EVERY = 128
 """The first ``FAST_CHECK_FIRST`` fast encodes, then one in ``FAST_CHECK_EVERY``, are also
@@ -85,7 +97,12 @@ class _Entry:
     """Token offset of each special token."""
     raw: list[bytes]
     hashes: list[int]
-    keys: list[bytes]
+    keys: list[Hashable]
+    conv: list[dict[str, Any]] | None = None
+    """The normalised messages the text renders (chat entries)."""
+    bare: int = -1
+    """Length of the render of :attr:`conv` without the generation prompt, a prefix of
+    :attr:`text` (-1: unknown): where the next turn's new messages start."""
     nbytes: int = 0
     live: int = 0
     """How many keys of the index still point at this entry."""
@@ -115,8 +132,51 @@ def _dumps(obj: Any, param: str) -> bytes:
         raise ApiError(400, f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from None
 
 
-def _chain(root: bytes, parts: Iterator[bytes]) -> list[bytes]:
-    keys = [root]
+SKETCH_CHARS = 256
+"""A message's key reads strings longer than this by their length, head and tail only."""
+
+
+def _sketch(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with every string longer than :data:`SKETCH_CHARS` replaced by its length, first
+    and last 64 characters: a message's key costs O(structure), not O(text). Two messages with
+    the same sketch are told apart by comparing them wherever a cached answer or render is
+    reused."""
+    if isinstance(obj, str):
+        if len(obj) <= SKETCH_CHARS:
+            return obj
+        return f"\0{len(obj)}\0{obj[:64]}\0{obj[-64:]}"
+    if depth > 64:
+        return obj  # deeper structures are dumped whole (and refused past orjson's limit)
+    if isinstance(obj, dict):
+        return {k: _sketch(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_sketch(v, depth + 1) for v in obj]
+    return obj
+
+
+def _message_keys(root: bytes, conv: list[dict[str, Any]]) -> list[Hashable]:
+    """The key chain of a conversation: ``k_i = hash((k_{i-1}, message i's sketch))``, Python's
+    own hash of a tuple (this process's cache only; a collision costs a comparison, never a wrong
+    answer). A string field longer than :data:`SKETCH_CHARS` enters as its length, head and tail;
+    a structured one (tool calls, content parts) as the JSON of its :func:`_sketch`."""
+    k: Hashable = int.from_bytes(root[:8], "big")
+    keys = [k]
+    for i, m in enumerate(conv):
+        parts: list[Any] = [k]
+        for name, v in m.items():
+            if isinstance(v, str):
+                parts += (name, len(v), v[:64], v[-64:]) if len(v) > SKETCH_CHARS else (name, v)
+            elif v is None or isinstance(v, (bool, int, float)):
+                parts += (name, v)
+            else:
+                parts += (name, _dumps(_sketch(v), f"messages[{i}].{name}"))
+        k = hash(tuple(parts))
+        keys.append(k)
+    return keys
+
+
+def _chain(root: bytes, parts: Iterator[bytes]) -> list[Hashable]:
+    keys: list[Hashable] = [root]
     k = root
     for d in parts:
         k = _h(k + d)
@@ -148,6 +208,56 @@ def affinity_key(kind: str, body: dict[str, Any]) -> bytes:
         return _h(p[:PROMPT_CHUNK_CHARS].encode("utf-8", "surrogatepass"))
     ids = [t for t in p[:TOKEN_CHUNK] if isinstance(t, int)] if isinstance(p, list) else []
     return _h(repr(ids).encode())
+
+
+def _stitch_probe_bodies() -> list[dict[str, Any]]:
+    """Agent conversations the incremental render is checked on at start-up: system prompt or
+    none, tool calls with and without content, consecutive tool results, reasoning, content
+    parts, a developer turn; with and without tools."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "description": "Read a file.",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+
+    def call(i: int) -> dict[str, Any]:
+        args = f'{{"path": "src/f{i}.py"}}'
+        return {"id": f"call_{i}", "type": "function", "function": {"name": "read_file", "arguments": args}}
+
+    sys_ = {"role": "system", "content": "You are a coding agent. Be brief."}
+    u = [
+        {"role": "user", "content": f"Step {i}: fix the failing test in f{i}.py, then run it."}
+        for i in range(4)
+    ]
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "Here is"}, {"type": "text", "text": "more."}],
+    }
+    a_call = {"role": "assistant", "content": None, "tool_calls": [call(1)]}
+    a_both = {"role": "assistant", "content": "Reading two files.", "tool_calls": [call(2), call(3)]}
+    t = [
+        {"role": "tool", "tool_call_id": f"call_{i}", "content": f"def f{i}():\n    return {i}\n"}
+        for i in range(4)
+    ]
+    a_text = {"role": "assistant", "content": "Fixed: the test passes now."}
+    a_think = {"role": "assistant", "content": "Done.", "reasoning_content": "The test expects 2."}
+    dev = {"role": "developer", "content": "Prefer small diffs."}
+    convs = [
+        [sys_, u[0], a_call, t[1], a_both, t[2], t[3], a_text, u[1], a_think, u[2]],
+        [u[0], a_text, u[1], a_think, parts, a_call, t[1], u[2], a_text, u[3]],
+        [sys_, u[0], a_think, u[1], a_text, u[2], a_both, t[2], t[3], u[3]],
+        [sys_, dev, u[0], a_call, t[1], a_text, parts, a_think, u[1]],
+    ]
+    out: list[dict[str, Any]] = []
+    for c in convs:
+        out.append({"messages": c})
+        out.append({"messages": c, "tools": tools})
+    return out
 
 
 class ChatTokenizer:
@@ -195,7 +305,7 @@ class ChatTokenizer:
         self._none = none_hash(hash_seed)
         self.cache_bytes = cache_bytes
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[Hashable, _Entry] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.exact_hits = 0
@@ -203,6 +313,22 @@ class ChatTokenizer:
         self.incremental = self._splits_at_special_tokens()
         """Whether text after a special token encodes independently of the text before it (true of
         byte-level BPE; checked on a probe at start-up, else every prompt is encoded whole)."""
+        self._gen_prompt: str | None = None
+        """What the generation prompt appends to a render (from the probe), when constant."""
+        self.stitched = 0
+        """Renders of a turn that extends a cached conversation, done incrementally."""
+        self.stitch_checks = 0
+        self.stitch_misses = 0
+        """Turns rendered whole because the stand-in's render changed when new messages followed."""
+        self.stitch_mismatches = 0
+        self.stitch = True
+        self.stitch_reason = self._probe_stitch()
+        self.stitch = not self.stitch_reason
+        self.stitched = self.stitch_misses = 0
+        """Whether a turn that extends a cached conversation renders only its new messages
+        (:meth:`_stitch`); :attr:`stitch_reason` says why not."""
+        if self.stitch_reason:
+            log.info("%s: rendering every prompt whole (%s)", d, self.stitch_reason)
         self.fast: FastBPE | None = None
         """The tiktoken-core encoder when it reproduces this tokenizer (gateway/analysis/fast_bpe.py)."""
         self.fast_reason = "off in config"
@@ -220,22 +346,112 @@ class ChatTokenizer:
             if self.fast is None:
                 log.info("%s: encoding with tokenizers (fast BPE not used: %s)", d, self.fast_reason)
 
+    # -- incremental rendering ------------------------------------------------------------------
+    def _stitch(self, prev: _Entry, conv: list[dict[str, Any]], kwargs: dict[str, Any]) -> str | None:
+        """The render of ``conv``, which extends ``prev``'s conversation P by new messages S,
+        without rendering P again: P's render without the generation prompt (a prefix of the
+        cached text) + what S adds to a short stand-in K of P (its first message and its last one
+        or two, so that S's messages keep their neighbour and the parity of their index). None
+        (render it whole) when this does not apply; checked against a whole render at start-up
+        (:meth:`_probe_stitch`) and on a sample of live renders (the first disagreement turns it
+        off for good)."""
+        p = prev.conv
+        if p is None or prev.bare < 0:
+            return None
+        n = len(p)
+        m = 1 if n % 2 == 0 else 2
+        if n < 1 + m:
+            return None
+        stand_in = [p[0], *p[n - m :]]
+        r = self.renderer
+        try:
+            a = r.render_conversation(stand_in, {**kwargs, "add_generation_prompt": False})
+            b = r.render_conversation([*stand_in, *conv[n:]], kwargs)
+        except ApiError:
+            return None  # the whole render says what is wrong with it
+        if not b.startswith(a):
+            self.stitch_misses += 1
+            return None  # the template changes how K (so P) ends when S follows: not append-only
+        text = prev.text[: prev.bare] + b[len(a) :]
+        k = self.stitched = self.stitched + 1
+        if k > RENDER_CHECK_FIRST and k % RENDER_CHECK_EVERY:
+            return text
+        self.stitch_checks += 1
+        whole = r.render_conversation(conv, kwargs)
+        if whole == text:
+            return text
+        self.stitch_mismatches += 1
+        self.stitch, self.stitch_reason = False, "differed from a whole render on a live prompt"
+        log.warning(
+            "incremental render differs from the whole render at char %d: rendering whole from now on",
+            common_prefix_len(whole, text),  # type: ignore[arg-type]  # str is fine
+        )
+        return whole
+
+    def _probe_stitch(self) -> str:
+        """'' when stitched renders equal whole ones on a probe of agent conversations (every
+        split, with and without tools and generation prompt), else why not. Sets
+        :attr:`_gen_prompt`, the text the generation prompt appends."""
+        if not self.render_is_pure:
+            return "the template reads the date"
+        r = self.renderer
+        bodies = _stitch_probe_bodies()
+        gen: set[str] = set()
+        convs = []
+        for body in bodies:
+            try:
+                conv, tools = r.normalize(body)
+                kw = r.template_kwargs(body, tools)
+                on = r.render_conversation(conv, {**kw, "add_generation_prompt": True})
+                off = r.render_conversation(conv, {**kw, "add_generation_prompt": False})
+            except (ApiError, Unsupported):
+                continue  # a shape this template refuses
+            if not on.startswith(off):
+                return "the generation prompt is not appended at the end"
+            gen.add(on[len(off) :])
+            convs.append((conv, kw))
+        if len(gen) != 1 or len(convs) < len(bodies) // 2:
+            return "the generation prompt varies" if len(gen) > 1 else "the template refuses the probe"
+        self._gen_prompt = gen.pop()
+        tried = 0
+        for conv, kw in convs:
+            for agp in (True, False):
+                kwargs = {**kw, "add_generation_prompt": agp}
+                whole = r.render_conversation(conv, kwargs)
+                for n in range(2, len(conv)):
+                    try:
+                        bare = r.render_conversation(conv[:n], {**kw, "add_generation_prompt": False})
+                    except ApiError:
+                        continue
+                    prev = _Entry(
+                        bare, array("i"), array("q"), array("q"), array("q"), [], [], [], conv[:n], len(bare)
+                    )
+                    self.stitch, self.stitched = True, RENDER_CHECK_FIRST  # no live check inside
+                    got = self._stitch(prev, conv, kwargs)
+                    tried += 1
+                    if got is not None and got != whole:
+                        return f"a stitched render differs from the whole one ({len(conv)} messages, split at {n})"
+        if self.stitch_misses * 2 > tried:  # mostly rendered whole anyway, at twice the cost
+            return "the template renders the end of a conversation differently once messages follow"
+        return ""
+
     def _special_texts(self) -> list[str]:
         return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
 
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """Token ids of ``text`` (no special tokens added) and (token index, char start, char
-        end) of each special token in it."""
+    def _encode(self, text: str) -> tuple[Sequence[int], list[tuple[int, int, int]]]:
+        """Token ids of ``text`` (no special tokens added; an ``array("i")`` or a list) and
+        (token index, char start, char end) of each special token in it."""
         fast = self.fast
         if fast is not None:
-            ids, specials = fast.encode(text)
+            arr, specials = fast.encode_array(text)
             n = self.fast_encodes = self.fast_encodes + 1
             if n > FAST_CHECK_FIRST and n % FAST_CHECK_EVERY:
-                return ids, specials
+                return arr, specials
             self.fast_checks += 1
             ref = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = arr.tolist()
             if ref == ids:
-                return ids, specials
+                return arr, specials
             self.fast_mismatches += 1
             self.fast, self.fast_reason = None, "disagreed with the tokenizer on a live prompt"
             i = common_prefix_len(ids, ref)
@@ -285,12 +501,28 @@ class ChatTokenizer:
                 + _dumps(kwargs.get("tools"), "tools")
                 + _dumps([rest, salt], "chat_template_kwargs")
             )
-            keys = _chain(root, (_h(_dumps(m, f"messages[{i}]")) for i, m in enumerate(conv)))
-            hit = self._exact(keys[-1]) if self.render_is_pure else None
+            keys = _message_keys(root, conv)
+            hit = self._exact(keys[-1], conv) if self.render_is_pure else None
             if hit is not None:
                 return hit
-            text = r.render_conversation(conv, kwargs)
-            return self._from_text(text, keys, salt, ())
+            prev, matched = self._lookup(keys)
+            text = None
+            if (
+                prev is not None
+                and matched == len(prev.keys) - 1 < len(conv)
+                and self.stitch
+                and prev.conv == conv[:matched]  # the keys are sketches: compare the messages
+            ):
+                text = self._stitch(prev, conv, kwargs)
+            if text is None:
+                text = r.render_conversation(conv, kwargs)
+            if not kwargs["add_generation_prompt"]:
+                bare = len(text)
+            elif self._gen_prompt is not None and text.endswith(self._gen_prompt):
+                bare = len(text) - len(self._gen_prompt)
+            else:
+                bare = -1
+            return self._from_text(text, keys, salt, (), prev, conv, bare)
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             prompt = prompt[0]
@@ -308,31 +540,47 @@ class ChatTokenizer:
             _h(prompt[i : i + step].encode("utf-8", "surrogatepass")) for i in range(0, len(prompt), step)
         )
         keys = _chain(root, chunks)
-        return self._exact(keys[-1]) or self._from_text(prompt, keys, salt, self._prompt_prefix)
+        return self._exact(keys[-1]) or self._from_text(
+            prompt, keys, salt, self._prompt_prefix, self._lookup(keys)[0]
+        )
 
-    def _exact(self, key: bytes) -> PromptInfo | None:
+    def _exact(self, key: Hashable, conv: list[dict[str, Any]] | None = None) -> PromptInfo | None:
         """The cached answer of a request whose whole key chain ends in ``key`` (the same
         conversation, tools, template kwargs and salt as a cached entry: the same prompt text),
-        without rendering, comparing or encoding; None when no entry ends there."""
+        without rendering or encoding; None when no entry ends there. ``conv``: the request's
+        messages, compared with the entry's (chat keys are sketches)."""
         with self._lock:
             e = self._index.get(key)
             if e is None or e.keys[-1] != key:
                 return None
             self._entries.move_to_end(id(e))
+        if conv is not None and e.conv != conv:
+            return None
         self.exact_hits += 1
         return PromptInfo(len(e.tokens), list(e.hashes), 0, e.tokens)
 
-    def _lookup(self, keys: list[bytes]) -> _Entry | None:
+    def _lookup(self, keys: list[Hashable]) -> tuple[_Entry | None, int]:
+        """The entry holding the longest prefix of ``keys``, and that prefix's last index."""
         with self._lock:
-            for k in reversed(keys):
-                e = self._index.get(k)
+            for i in range(len(keys) - 1, -1, -1):
+                e = self._index.get(keys[i])
                 if e is not None:
                     self._entries.move_to_end(id(e))
-                    return e
-        return None
+                    return e, i
+        return None, -1
 
-    def _from_text(self, text: str, keys: list[bytes], salt: str | None, prefix: Sequence[int]) -> PromptInfo:
-        prev = self._lookup(keys) if self.incremental else None
+    def _from_text(
+        self,
+        text: str,
+        keys: list[Hashable],
+        salt: str | None,
+        prefix: Sequence[int],
+        prev: _Entry | None,
+        conv: list[dict[str, Any]] | None = None,
+        bare: int = -1,
+    ) -> PromptInfo:
+        if not self.incremental:
+            prev = None
         if prev is not None:
             keep_chars = common_prefix_len(prev.text, text)  # type: ignore[arg-type]  # str is fine
             # restart at the last special token lying wholly inside the common text: the new text
@@ -360,7 +608,7 @@ class ChatTokenizer:
             toks.append(base_tok + i)
         tokens.extend(ids)
         raw, hashes = self._hash(tokens, prev, base_tok, salt)
-        self._store(_Entry(text, tokens, starts, ends, toks, raw, hashes, keys))
+        self._store(_Entry(text, tokens, starts, ends, toks, raw, hashes, keys, conv, bare))
         return PromptInfo(len(tokens), list(hashes), len(ids), tokens)
 
     def _special_positions(self, ids: list[int]) -> list[int]:
@@ -387,8 +635,17 @@ class ChatTokenizer:
             keep = min(len(prev.raw), (start + common_prefix_len(prev.tokens[start:], tokens[start:])) // bs)
         raw, hashes = prev.raw[:keep] if prev else [], prev.hashes[:keep] if prev else []
         parent = raw[-1] if raw else None
+        if _native is not None and isinstance(tokens, array):
+            # the same sha256 over the same canonical CBOR, encoded in C
+            none, sha, cbor = self._none, hashlib.sha256, _native.cbor_block
+            for i in range(keep, len(tokens) // bs):
+                extra = _CBOR_NONE if not (i == 0 and salt) else cbor2.dumps(salt_keys(salt), canonical=True)
+                parent = sha(cbor(parent or none, tokens, i * bs, (i + 1) * bs, extra)).digest()
+                raw.append(parent)
+                hashes.append(int.from_bytes(parent[24:], "big"))
+            return raw, hashes
         for i in range(keep, len(tokens) // bs):
-            extra = (salt,) if (i == 0 and salt) else None
+            extra = salt_keys(salt) if i == 0 else None
             parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
             raw.append(parent)
             hashes.append(external(parent))
@@ -403,7 +660,7 @@ class ChatTokenizer:
         root = _h(b"ids\0" + _dumps(salt, "cache_salt"))
         step = TOKEN_CHUNK
         keys = _chain(root, (_h(tokens[i : i + step].tobytes()) for i in range(0, len(tokens), step)))
-        prev = self._lookup(keys)
+        prev, _ = self._lookup(keys)
         raw, hashes = self._hash(tokens, prev, 0, salt)
         new_blocks = len(hashes) - (min(len(prev.raw), len(hashes)) if prev else 0)
         zero = array("q", [0])
@@ -419,6 +676,7 @@ class ChatTokenizer:
             + 24 * len(e.bound_toks)
             + 120 * len(e.raw)
             + 130 * len(e.keys)
+            + (sys.getsizeof(e.text) + 400 * len(e.conv) if e.conv is not None else 0)
             + 400
         )
 

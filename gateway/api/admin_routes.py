@@ -39,7 +39,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", summary="Readiness: every configured pool has a healthy engine")
 async def ready(request: Request) -> JSONResponse:
-    pools = _svc(request).cluster.ready()
+    cluster = _svc(request).cluster
+    pools = cluster.ready()
     draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
     ok = bool(pools) and all(pools.values()) and not draining
     svc = _svc(request)
@@ -47,7 +48,20 @@ async def ready(request: Request) -> JSONResponse:
     now = time.time()
     # how stale the prefix index may be: KV events are not replayed to a replica that (re)starts
     index = {sub.engine: sub.coverage(now) for sub in svc.subscribers}
-    body = {"ready": ok, "pools": pools, "degraded": degraded, "draining": draining, "prefix_index": index}
+    # the engines routing skips, and why (starting, refusing connections, failing probes), with
+    # where their logs are when the gateway started them itself
+    notes: dict[str, str] = request.app.state.engine_notes
+    waiting = {
+        name: f"{why} ({notes[name]})" if name in notes else why for name, why in cluster.waiting().items()
+    }
+    body = {
+        "ready": ok,
+        "pools": pools,
+        "degraded": degraded,
+        "draining": draining,
+        "waiting_for": waiting,
+        "prefix_index": index,
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -103,7 +117,14 @@ def _pools_json(svc: GatewayService) -> dict[str, object]:
     }
 
 
-@router.get("/admin/pools", summary="The engines now (admin key)", dependencies=[Depends(require_admin)])
+# operator routes (docs/operations.md), not the client contract (openapi/agentgw.yaml), like the
+# dashboard's: a fuzzer of the contract must not replace the engine list
+@router.get(
+    "/admin/pools",
+    summary="The engines now (admin key)",
+    dependencies=[Depends(require_admin)],
+    include_in_schema=False,
+)
 async def get_pools(request: Request) -> JSONResponse:
     return JSONResponse(_pools_json(_svc(request)))
 
@@ -112,6 +133,7 @@ async def get_pools(request: Request) -> JSONResponse:
     "/admin/pools",
     summary="Replace the engine list while running (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def put_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
@@ -133,6 +155,7 @@ async def put_pools(request: Request) -> JSONResponse:
     "/admin/reload",
     summary="Re-read the config (and discovery) file's pools, as SIGHUP does (admin key)",
     dependencies=[Depends(require_admin)],
+    include_in_schema=False,
 )
 async def reload_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
@@ -159,6 +182,19 @@ _ASSETS = {
 }
 
 
+SECURITY_HEADERS = {
+    # everything the page loads is its own (no inline script or style, nothing from elsewhere)
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+"""Sent with every dashboard response (the page, its assets, its data)."""
+
+
 @functools.cache
 def _asset(name: str) -> bytes:
     """A packaged dashboard file (gateway/api/static/), read once."""
@@ -171,7 +207,11 @@ def _asset(name: str) -> bytes:
     include_in_schema=False,
 )
 async def dashboard_page() -> Response:
-    return Response(_asset("dashboard.html"), media_type=_ASSETS["dashboard.html"])
+    return Response(
+        _asset("dashboard.html"),
+        media_type=_ASSETS["dashboard.html"],
+        headers={**SECURITY_HEADERS, "cache-control": "no-cache"},
+    )
 
 
 @router.get(
@@ -183,7 +223,7 @@ async def dashboard_asset(name: str) -> Response:
     media = _ASSETS.get(name)
     if media is None or name == "dashboard.html":
         raise ApiError(404, f"no dashboard asset '{name}'", "name", "not_found")
-    return Response(_asset(name), media_type=media, headers={"cache-control": "no-cache"})
+    return Response(_asset(name), media_type=media, headers={**SECURITY_HEADERS, "cache-control": "no-cache"})
 
 
 @router.get(
@@ -198,4 +238,4 @@ async def dashboard_data(
     svc = _svc(request)
     history: DashboardHistory | None = getattr(request.app.state, "dashboard", None)
     state = await dashboard_state(svc, history, svc.clock(), session_limit=sessions)
-    return JSONResponse(state, headers={"cache-control": "no-store"})
+    return JSONResponse(state, headers={**SECURITY_HEADERS, "cache-control": "no-store"})

@@ -17,6 +17,7 @@ gateway/service/tenants.py); an admin key addresses stored ids directly. Bodies 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -27,12 +28,12 @@ from fastapi.responses import JSONResponse
 from gateway.api import anthropic_routes, responses_routes
 from gateway.api.auth import read_body, registry, require_admin, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
-from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints
+from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints, unknown_hints
 from gateway.core.turn import decision_dict
 from gateway.errors import ApiError
-from gateway.protocol import ParsedRequest, parse_body
 from gateway.service.gateway import GatewayService
 from gateway.service.tenants import ANONYMOUS, Tenant
+from gateway.wire.openai import ParsedRequest, parse_body
 
 router = APIRouter()
 
@@ -43,12 +44,13 @@ def _svc(request: Request) -> GatewayService:
 
 
 def _stored_id(request: Request, session_id: str) -> tuple[Tenant, str]:
-    """The caller's tenant and the id its ``session_id`` is stored under (400 for a bad id)."""
+    """The caller's tenant (401 first) and the id its ``session_id`` is stored under (400 for a
+    bad id)."""
+    tenant = tenant_of(request)
     if not session_id or len(session_id) > MAX_ID_LEN or not session_id.isprintable():
         raise ApiError(
             400, f"session_id must be 1-{MAX_ID_LEN} printable characters", "session_id", "invalid_session_id"
         )
-    tenant = tenant_of(request)
     return tenant, tenant.namespace(session_id)
 
 
@@ -91,9 +93,13 @@ async def post_hints(session_id: str, request: Request) -> JSONResponse:
     tenant, sid = _stored_id(request, session_id)
     body = await _json_object(request)
     try:
+        for unknown in unknown_hints({}, {"agent_hints": body}):
+            raise unknown
         hints = parse_hints({}, {"agent_hints": body})
     except HintError as exc:
         raise ApiError(400, str(exc), exc.field.removeprefix("agent_hints."), "invalid_hint") from None
+    if hints.parent_session_id is not None:  # the tenant's own ids only, like a turn's hints
+        hints = replace(hints, parent_session_id=tenant.namespace(hints.parent_session_id))
     if hints.session_end:
         rec = await svc.end_session(sid)
         return JSONResponse(

@@ -13,9 +13,9 @@ from gateway.api.auth import read_body, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
 from gateway.errors import ApiError, anthropic_error_body, reshape_upstream_error
-from gateway.protocol import ParsedRequest
 from gateway.wire import _check
 from gateway.wire.anthropic import parse_messages
+from gateway.wire.openai import ParsedRequest
 
 __all__ = ["MESSAGES_WIRE", "router"]
 

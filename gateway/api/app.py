@@ -10,7 +10,7 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -114,9 +114,12 @@ def create_app(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     reload: Callable[[], GatewayConfig] | None = None,
+    engine_notes: Mapping[str, str] | None = None,
 ) -> GatewayApp:
     """``reload``: re-reads the configuration (``agentgw serve``'s ``--config`` file) for SIGHUP
-    and ``POST /admin/reload``, which apply its ``pools`` (gateway/service/membership.py)."""
+    and ``POST /admin/reload``, which apply its ``pools`` (gateway/service/membership.py).
+    ``engine_notes``: per engine name, a note ``/ready`` adds while it waits for that engine
+    (``agentgw serve``'s local engines: where each one's log is)."""
     static_config = config
 
     @contextlib.asynccontextmanager
@@ -171,8 +174,13 @@ def create_app(
             await cluster.stop()
             await upstream.aclose()
 
-    api = FastAPI(title="agentgw", version="0.1.0", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: they were served without a key (and the pages load
+    # their script from a CDN); the contract is openapi/agentgw.yaml
+    api = FastAPI(
+        title="agentgw", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     api.state.holder = ServiceHolder()
+    api.state.engine_notes = dict(engine_notes or {})
     api.state.drain = Drain(config.drain.deadline_s, config.limits.retry_after_s)
     lim = config.limits
     api.state.bodies = BodyBudget(

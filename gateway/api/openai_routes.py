@@ -1,6 +1,6 @@
 """OpenAI's generation routes, ``POST /v1/chat/completions`` and ``POST /v1/completions``: their
 wire adapters for the shared hot-path relay (:mod:`gateway.api.relay`). Both parse with
-:func:`gateway.protocol.parse_body`, answer errors in OpenAI's shape and end a stream whose
+:func:`gateway.wire.openai.parse_body`, answer errors in OpenAI's shape and end a stream whose
 engine failed with an error chunk and ``data: [DONE]``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 from gateway.api.relay import Wire
-from gateway.protocol import parse_body
+from gateway.wire.openai import parse_body
 
 __all__ = ["OPENAI_WIRES"]
 

@@ -1,9 +1,11 @@
-"""The hot path, for every generation API: a raw ASGI endpoint that reads the body, parses it
-once through its wire adapter, asks the service where it goes, then relays each upstream chunk
-as soon as it arrives.
+"""The hot path's edge, for every generation API: a raw ASGI endpoint that authenticates the
+caller and hands the turn to the service's pipeline (:mod:`gateway.service.turns`, which orders
+every stage) through a connection that speaks the API's shape: it reads the body (bounded),
+parses it once through the wire adapter, renders errors and stream error events, and sends
+each chunk the pipeline relays.
 
 It bypasses Starlette's Request/StreamingResponse (a measurable cost per chunk, ANCHORS.md). A
-client that disconnects, while the engine is being reached or mid-stream, cancels the relay,
+client that disconnects, while the engine is being reached or mid-stream, cancels the turn,
 which closes the upstream connection, so vLLM aborts the request and frees its KV. An engine that
 fails mid-stream ends a streamed answer with an explicit error event in the API's own streaming
 form (:attr:`Wire.stream_error`), never a silent truncation.
@@ -13,27 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import to_api_error
 from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
-from gateway.protocol import ParsedRequest
-from gateway.service.admission import TenantPass
-from gateway.service.errors import ResponseNotFound
-from gateway.service.gateway import GatewayService, Plan, Relay
-from gateway.service.responses import SCAN_BYTES, find_response_id
+from gateway.service.gateway import GatewayService
 from gateway.service.tenants import Tenant
-
-log = logging.getLogger("agentgw.api")
+from gateway.service.turns import Route
+from gateway.wire.openai import ParsedRequest
 
 Scope = dict[str, Any]
 
@@ -120,13 +114,6 @@ def body_owner(svc: GatewayService, tenant: Tenant, scope: Scope) -> str:
     return "tenant:" + tenant.name
 
 
-async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``first``, then what is left of ``rest``."""
-    yield first
-    async for chunk in rest:
-        yield chunk
-
-
 async def wait_disconnect(receive: Any) -> None:
     """Return when the client goes away. Any other message is skipped, as Starlette's
     ``listen_for_disconnect`` does, so one unexpected message cannot leave the relay blind to a
@@ -147,31 +134,99 @@ async def send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class _Watch:
-    """Cancels the task that runs the relay when the client disconnects."""
+class _AsgiEdge:
+    """One turn's client connection, in its API's shape (the pipeline's :class:`Edge`)."""
 
-    def __init__(self, receive: Any) -> None:
-        self.gone = False
-        self.done = False
-        self._task = asyncio.current_task()
-        self._fut = asyncio.ensure_future(wait_disconnect(receive))
-        self._fut.add_done_callback(self._on_gone)
+    __slots__ = (
+        "claim",
+        "flight",
+        "limit",
+        "raw",
+        "receive",
+        "responded",
+        "scope",
+        "send_",
+        "stream",
+        "wire",
+    )
 
-    def _on_gone(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self.done or self._task is None:
-            return
-        self.gone = True
-        self._task.cancel()
+    def __init__(
+        self,
+        wire: Wire,
+        scope: Scope,
+        receive: Any,
+        send: Any,
+        limit: int,
+        flight: Flight | None,
+        claim: Claim | None,
+    ) -> None:
+        self.wire = wire
+        self.limit = limit
+        self.scope = scope
+        self.receive = receive
+        self.send_ = send
+        self.flight = flight
+        self.claim = claim
+        self.raw: bytes | None = None
+        self.stream = False
+        self.responded = False
 
-    def stop(self) -> None:
-        self.done = True
-        self._fut.cancel()
+    @property
+    def declared(self) -> int | None:
+        """The body's declared length (None: chunked, or not a number)."""
+        return declared_length(self.scope["headers"])
 
-    def absorb(self) -> None:
-        """The cancellation was ours (the client left): let the task go on to clean up."""
-        uncancel = getattr(self._task, "uncancel", None)
-        if uncancel is not None:
-            uncancel()
+    async def read(self) -> bytes:
+        self.raw = await read_body(self.receive, self.limit, self.claim, self.declared)
+        return self.raw
+
+    def parse(self, raw: bytes) -> ParsedRequest:
+        parsed = self.wire.parse(raw)
+        self.stream = parsed.stream
+        return parsed
+
+    async def wait_disconnect(self) -> None:
+        await wait_disconnect(self.receive)
+
+    async def refuse(self, exc: BaseException, headers: list[tuple[bytes, bytes]]) -> int:
+        err = exc if isinstance(exc, ApiError) else to_api_error(exc)  # type: ignore[arg-type]
+        # refused before its body was read (401, 413, the body budget's 503): close the
+        # connection rather than read and discard the rest of the body to keep it alive
+        extra = [(b"connection", b"close")] if self.raw is None else headers
+        self._responded()
+        await send_error(self.send_, err, extra, self.wire.render_error)
+        return err.status
+
+    def reshape(self, status: int, body: bytes) -> bytes:
+        return self.wire.reshape_error(status, body)
+
+    def stream_error(self, message: str) -> bytes:
+        return self.wire.stream_error(message)
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self._responded()
+        await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send_({"type": "http.response.body", "body": body})
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.send_({"type": "http.response.start", "status": status, "headers": headers})
+        self._responded()
+
+    async def send(self, chunk: bytes) -> None:
+        await self.send_({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, tail: bytes = b"") -> None:
+        await self.send_({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def abort(self) -> None:
+        cut = (self.scope.get("extensions") or {}).get(ABORT_EXTENSION)
+        if cut is not None:
+            cut()
+
+    def _responded(self) -> None:
+        self.responded = True
+        if self.flight is not None:
+            self.flight.responded = True
 
 
 def _uncancel(task: asyncio.Task[Any] | None) -> None:
@@ -181,6 +236,10 @@ def _uncancel(task: asyncio.Task[Any] | None) -> None:
 
 
 class GenerationEndpoint:
+    """The edge of every generation API: authenticates the caller, hands the turn to the
+    service's pipeline (:class:`gateway.service.turns.Turns`) with a connection that speaks the
+    API's shape, and ends what the drain cuts."""
+
     def __init__(
         self,
         wire: Wire,
@@ -190,6 +249,7 @@ class GenerationEndpoint:
     ) -> None:
         self.wire = wire
         self.route = wire.route
+        self.turn_route = Route(wire.route, wire.upstream_path, wire.stores_responses, wire.stream_end)
         self._holder = holder
         self._drain = drain
         self._bodies = bodies
@@ -204,310 +264,38 @@ class GenerationEndpoint:
         claim = self._bodies.claim() if self._bodies is not None else None
         try:
             drain = self._drain
-            if drain is None:
-                await self._handle(svc, scope, receive, send, None, claim)
-                return
-            flight = drain.enter()
+            flight = drain.enter() if drain is not None else None
+            limit = svc.config.limits.max_body_bytes
+            edge = _AsgiEdge(wire, scope, receive, send, limit, flight, claim)
             try:
-                await self._handle(svc, scope, receive, send, flight, claim)
+                await self._handle(svc, scope, edge)
             except asyncio.CancelledError:
-                if not flight.cut:
+                if flight is None or not flight.cut or drain is None:
                     raise
                 _uncancel(flight.task)
-                if not flight.responded:  # cut before its answer began: the drain's 503
-                    with contextlib.suppress(RuntimeError, OSError):
+                with contextlib.suppress(RuntimeError, OSError):
+                    if not edge.responded:  # cut before its answer began: the drain's 503
                         await send_error(send, drain.error(), [(b"connection", b"close")], wire.render_error)
+                    else:  # cut mid-answer: end it the way an engine failure does
+                        tail = wire.stream_error(drain.stream_message()) if edge.stream else b""
+                        await edge.end(tail)
             finally:
-                drain.leave(flight)
+                if drain is not None and flight is not None:
+                    drain.leave(flight)
         finally:
             if claim is not None:  # the body lived as long as the request
                 claim.release()
 
-    async def _handle(
-        self,
-        svc: GatewayService,
-        scope: Scope,
-        receive: Any,
-        send: Any,
-        flight: Flight | None,
-        claim: Claim | None = None,
-    ) -> None:
-        wire = self.wire
-        t0 = time.perf_counter()
+    async def _handle(self, svc: GatewayService, scope: Scope, edge: _AsgiEdge) -> None:
         headers = scope["headers"]
         try:
             tenant = svc.tenants.authenticate(headers)
-            limit = svc.config.limits.max_body_bytes
-            declared = declared_length(headers)
-            if declared is not None and declared > limit:
-                raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
-            # the tenant's concurrency and rate limits before a byte of the body is read (its
-            # tokens estimated from the declared length, settled once analysed): a refused
-            # request costs its headers, not a read, a parse and an analysis
-            entered = svc.admission.enter(tenant, (declared or 0) // 4)
+            if edge.declared is not None and edge.declared > edge.limit:
+                raise ApiError(413, f"request body exceeds {edge.limit} bytes", None, "request_too_large")
         except ApiError as err:
             svc.metrics.count_request(self.route, str(err.status), "", "")
-            # the body is unread: close the connection rather than read and discard it
-            await send_error(send, err, [(b"connection", b"close")], render=wire.render_error)
+            await edge.refuse(err, [])
             return
-        try:
-            if claim is not None:
-                claim.owner = body_owner(svc, tenant, scope)
-            await self._turn(svc, scope, receive, send, flight, claim, tenant, entered, t0)
-        finally:
-            entered.leave()
-
-    async def _turn(
-        self,
-        svc: GatewayService,
-        scope: Scope,
-        receive: Any,
-        send: Any,
-        flight: Flight | None,
-        claim: Claim | None,
-        tenant: Tenant,
-        entered: TenantPass,
-        t0: float,
-    ) -> None:
-        wire = self.wire
-        raw: bytes | None = None
-        try:
-            raw = await read_body(receive, svc.config.limits.max_body_bytes, claim)
-            await svc.admission.turnstile.enter()  # a burst is analysed over several loop iterations
-            parsed = wire.parse(raw)
-            plan = await svc.plan(parsed, raw, scope["headers"], tenant)
-        except ConnectionAbortedError:
-            return
-        except (ApiError, *SERVICE_ERRORS) as exc:
-            err = exc if isinstance(exc, ApiError) else to_api_error(exc)
-            svc.metrics.count_request(self.route, str(err.status), "", "")
-            # refused before its body was read (the body budget's 429/503): close the
-            # connection rather than read and discard the rest of the body to keep it alive
-            unread = [(b"connection", b"close")] if raw is None else None
-            await send_error(send, err, unread, render=wire.render_error)
-            return
-        interactive = plan.analysis.hints.interactive
-        # the client may leave while the request waits for a slot: it must then never reach
-        # an engine (watched from here on, not only once the engine is being reached)
-        watch = _Watch(receive)
-        async with contextlib.AsyncExitStack() as admitted:
-            try:
-                # the gateway's limits (the tenant's were checked before the body), then the
-                # engine's; interactive turns first
-                await admitted.enter_async_context(
-                    svc.admission.admit(
-                        tenant, interactive, plan.analysis.request.prompt_tokens, entered=entered
-                    )
-                )
-                await admitted.enter_async_context(
-                    svc.admission.engine_slot(plan.decision.engine, interactive)
-                )
-            except ApiError as err:
-                watch.stop()
-                await svc.abandon(plan)
-                svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
-                await send_error(send, err, plan.extra_headers, wire.render_error)
-                return
-            except asyncio.CancelledError:
-                if watch.gone:  # the client left while queued: never sent
-                    watch.absorb()
-                    svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
-                    await svc.abandon(plan)
-                    return
-                watch.stop()
-                if flight is not None and flight.cut:
-                    await svc.abandon(plan)
-                raise
-            abort = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
-            await self._serve(svc, plan, parsed, t0, send, flight, watch, abort)
-
-    async def _serve(
-        self,
-        svc: GatewayService,
-        plan: Plan,
-        parsed: ParsedRequest,
-        t0: float,
-        send: Any,
-        flight: Flight | None,
-        watch: _Watch,
-        abort: Callable[[], None] | None = None,
-    ) -> None:
-        wire = self.wire
-        try:
-            up = await svc.open(
-                plan.decision,
-                wire.upstream_path,
-                plan.body,
-                plan.headers,
-                parsed.stream,
-                continues=parsed.previous_response_id,
-            )
-        except asyncio.CancelledError:
-            if not watch.gone:
-                watch.stop()
-                if flight is not None and flight.cut:  # the drain's deadline: its 503 follows
-                    await svc.abandon(plan)
-                raise
-            watch.absorb()
-            svc.metrics.count_request(self.route, "499", plan.decision.pool, "")
-            await svc.abandon(plan)
-            return
-        except SERVICE_ERRORS as exc:
-            watch.stop()
-            err = to_api_error(exc)
-            await svc.abandon(plan)
-            svc.metrics.count_request(self.route, str(err.status), plan.decision.pool, "")
-            await send_error(send, err, plan.extra_headers, wire.render_error)
-            return
-        try:
-            if up.status >= 400:
-                watch.stop()
-                await self._relay_error(svc, plan, up, t0, send, parsed.previous_response_id)
-                return
-            record = wire.stores_responses and parsed.store and up.status == 200
-            await self._relay(svc, plan, up, t0, send, watch, parsed.stream, record, flight, abort)
-        finally:
-            up.close()
-
-    async def _relay_error(
-        self, svc: GatewayService, plan: Plan, up: Relay, t0: float, send: Any, continues: str | None = None
-    ) -> None:
-        """An engine's error answer, re-shaped into the API's error shape (vLLM's own errors are
-        ``{"detail": ...}`` on some paths). The owner's 404 for a ``previous_response_id`` (it
-        evicted the response) becomes OpenAI's 400 ``previous_response_not_found``, as when the
-        gateway knows no owner."""
-        status = "502"
-        try:
-            raw = await up.read()
-            if up.status == 404 and continues is not None:
-                err = to_api_error(
-                    ResponseNotFound(continues, "previous_response_id", "its engine no longer holds it")
-                )
-                up_status, body = err.status, self.wire.render_error(err)
-            else:
-                up_status, body = up.status, self.wire.reshape_error(up.status, raw)
-            status = str(up_status)
-            headers = [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *plan.response_headers(up),
-            ]
-            await send({"type": "http.response.start", "status": up_status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            err = ApiError(502, f"engine '{up.engine}' failed mid-response: {exc!r}", None, "upstream_error")
-            await send_error(send, err, render=self.wire.render_error)
-        except OSError:
-            status = "499"
-        finally:
-            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
-            svc.metrics.count_request(self.route, status, up.pool, up.engine)
-            await svc.finish(plan, up, status)
-
-    async def _relay(
-        self,
-        svc: GatewayService,
-        plan: Plan,
-        up: Relay,
-        t0: float,
-        send: Any,
-        watch: _Watch,
-        stream: bool,
-        record_id: bool,
-        flight: Flight | None = None,
-        abort: Callable[[], None] | None = None,
-    ) -> None:
-        """``abort``: the server's way to cut the client connection mid-response (without it,
-        a whole answer cut mid-body is left unfinished for the server to close)."""
-        headers = up.headers() + plan.response_headers(up)
-        status = str(up.status)
-        started = False
-        first = True
-        head = b""
-        delivered = False  # the stream's last event has been relayed whole
-        ends = self.wire.stream_end if stream else ()
-        chunks = up.chunks()
-        try:
-            if not stream:
-                # a whole answer's status line waits for its first bytes: an engine failing
-                # before them is a 502 in the API's shape, not a 200 with an empty body
-                async for chunk in chunks:
-                    chunks = _after(chunk, chunks)
-                    break
-            await send({"type": "http.response.start", "status": up.status, "headers": headers})
-            started = True
-            if flight is not None:
-                flight.responded = True
-            async for chunk in chunks:
-                if first:
-                    svc.metrics.observe_ttft(self.route, time.perf_counter() - t0)
-                    first = False
-                if record_id:
-                    head += chunk
-                    rid = find_response_id(head)
-                    if rid is not None or len(head) >= SCAN_BYTES:
-                        record_id = False
-                        if rid is not None:
-                            await svc.remember_response(rid, up, plan.tenant)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if ends and not delivered and chunk.endswith(b"\n\n") and any(e in chunk for e in ends):
-                    delivered = True
-            watch.done = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not watch.gone and flight is not None and flight.cut and self._drain is not None:
-                # the drain deadline passed: end the stream the way an engine failure does
-                _uncancel(flight.task)
-                status = "503"
-                with contextlib.suppress(Exception):
-                    if not started:
-                        flight.responded = True
-                        if not stream:
-                            await send_error(send, self._drain.error(), None, self.wire.render_error)
-                            return
-                        await send({"type": "http.response.start", "status": 503, "headers": headers})
-                    tail = self.wire.stream_error(self._drain.stream_message()) if stream else b""
-                    await send({"type": "http.response.body", "body": tail, "more_body": False})
-                return
-            if not watch.gone:
-                raise
-            if not delivered:
-                status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
-            watch.absorb()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            status = "502"
-            watch.stop()
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            # died or froze: ejected; whether it still listens, the next probe says
-            svc.cluster.record_connect_failure(up.engine, refused=False)
-            log.warning("upstream %s failed mid-response: %r", up.engine, exc)
-            message = f"engine '{up.engine}' failed mid-response: {exc!r}"
-            with contextlib.suppress(Exception):
-                if not started:  # nothing sent yet: the API's error
-                    err = ApiError(502, message, None, "upstream_error")
-                    await send_error(send, err, plan.response_headers(up), self.wire.render_error)
-                elif stream:  # the API's error event ends the stream
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": self.wire.stream_error(message),
-                            "more_body": False,
-                        }
-                    )
-                elif abort is not None:
-                    # part of a whole answer is out: cut the connection before its end, so the
-                    # client sees a failure, never a short answer that looks complete
-                    abort()
-        except OSError:
-            # the server's send() raised (ASGI 2.4: the client connection is closed) before the
-            # disconnect watcher fired: the same outcome
-            if not delivered:
-                status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
-        finally:
-            watch.stop()
-            svc.metrics.observe_e2e(self.route, time.perf_counter() - t0)
-            svc.metrics.count_request(self.route, status, up.pool, up.engine)
-            await svc.finish(plan, up, status)
+        if edge.claim is not None:
+            edge.claim.owner = body_owner(svc, tenant, scope)
+        await svc.turns.run(self.turn_route, tenant, headers, edge)

@@ -15,9 +15,9 @@ from gateway.api.auth import tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.relay import Wire
 from gateway.errors import ApiError
-from gateway.protocol import ParsedRequest
 from gateway.service.responses import RESPONSE_ID
 from gateway.wire import _check
+from gateway.wire.openai import ParsedRequest
 from gateway.wire.responses import parse_responses
 
 __all__ = ["RESPONSES_WIRE", "router"]
@@ -63,12 +63,15 @@ def _error(err: ApiError) -> Response:
 
 
 async def _to_owner(request: Request, response_id: str, method: str, path: str) -> Response:
+    try:
+        tenant = tenant_of(request)  # who asks, before anything is said about the id
+    except ApiError as err:
+        return _error(err)
     if not RESPONSE_ID.match(response_id):
         return _error(
             ApiError(400, "'response_id' is not a valid response id", "response_id", "invalid_value")
         )
     try:
-        tenant = tenant_of(request)
         status, body = await request.app.state.service.call_owner(response_id, method, path, tenant)
     except ApiError as err:
         return _error(err)
@@ -87,7 +90,12 @@ async def cancel(response_id: str, request: Request) -> Response:
     return await _to_owner(request, response_id, "POST", f"/v1/responses/{response_id}/cancel")
 
 
-def _unsupported(what: str) -> Response:
+def _unsupported(request: Request, what: str) -> Response:
+    """The 501, to an authenticated caller only (401 first, as on every API route)."""
+    try:
+        tenant_of(request)
+    except ApiError as err:
+        return _error(err)
     return _error(
         ApiError(
             501,
@@ -99,10 +107,10 @@ def _unsupported(what: str) -> Response:
 
 
 @router.delete("/v1/responses/{response_id}", summary="Not served by vLLM 0.32: a clear 501")
-async def delete(response_id: str) -> Response:
-    return _unsupported("DELETE /v1/responses/{id}")
+async def delete(response_id: str, request: Request) -> Response:
+    return _unsupported(request, "DELETE /v1/responses/{id}")
 
 
 @router.get("/v1/responses/{response_id}/input_items", summary="Not served by vLLM 0.32: a clear 501")
-async def input_items(response_id: str) -> Response:
-    return _unsupported("GET /v1/responses/{id}/input_items")
+async def input_items(response_id: str, request: Request) -> Response:
+    return _unsupported(request, "GET /v1/responses/{id}/input_items")

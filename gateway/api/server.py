@@ -5,7 +5,9 @@ Limits (``server.*`` in config), each answered in the OpenAI error shape and the
 
 - ``max_connections``: open client connections; the one past it gets a 503 with ``Retry-After``.
   Capped at half the process's descriptor limit (``RLIMIT_NOFILE``; the other half is for
-  upstream connections, one per stream), so idle sockets can never starve ``/health``.
+  upstream connections, one per stream), so idle sockets can never starve ``/health``; past it,
+  ``probe_reserve`` more connections may ask ``/health`` or ``/ready`` only (headers within 2 s,
+  closed after the answer), so liveness probes pass during a socket flood.
 - ``max_header_count`` / ``max_header_bytes``: request line plus headers -> 431 (414 when the
   request line alone is too long). Bytes are counted as they arrive, so an endless header is cut
   at the limit rather than buffered.
@@ -43,6 +45,10 @@ _REASONS = {
     503: "Service Unavailable",
 }
 
+
+PROBE_PATHS = frozenset({b"/health", b"/ready"})
+"""What a connection of the probes' reserve may ask (``server.probe_reserve``)."""
+PROBE_HEADER_TIMEOUT_S = 2.0
 
 ABORT_EXTENSION = "agentgw.abort"
 """The ASGI scope extension (a callable) that cuts the client connection mid-response."""
@@ -101,6 +107,8 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._refused = False
+            self._probe_only = False
+            """A connection of the probes' reserve (past ``max_connections``)."""
             self._in_headers = True
             self._header_bytes = 0
             """Request line and header bytes parsed so far (the limit, exactly)."""
@@ -113,9 +121,12 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
         # -- connection --------------------------------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
+            n = len(self.connections)
+            if n > max_connections + limits.probe_reserve:
                 self._refuse(503, "the gateway has too many open connections", "too_many_connections", 1)
                 return
+            if n > max_connections:  # the probes' reserve: /health and /ready only, quickly
+                self._probe_only = True
             self._arm_header_timer()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -171,6 +182,9 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
                 self._refuse(501, "CONNECT is not implemented: this is not a proxy", "method_not_implemented")
                 raise _Refused
             self._header_bytes += len(url)
+            if self._probe_only and (self.url + url).split(b"?", 1)[0] not in PROBE_PATHS:
+                self._refuse(503, "the gateway has too many open connections", "too_many_connections", 1)
+                raise _Refused
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -198,6 +212,8 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             extensions[ABORT_EXTENSION] = self._abort_response
             self.scope["extensions"] = extensions  # type: ignore[typeddict-item]
             super().on_headers_complete()
+            if self._probe_only and self.cycle is not None:
+                self.cycle.keep_alive = False  # answered, then closed: the reserve stays free
             self._body_timer = self.loop.call_later(limits.body_timeout_s, self._body_timeout)
 
         def on_message_complete(self) -> None:
@@ -209,7 +225,12 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
 
         # -- limits ------------------------------------------------------------------------
         def _arm_header_timer(self) -> None:
-            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._header_timeout)
+            timeout = (
+                min(limits.header_timeout_s, PROBE_HEADER_TIMEOUT_S)
+                if self._probe_only
+                else limits.header_timeout_s
+            )
+            self._header_timer = self.loop.call_later(timeout, self._header_timeout)
 
         def _header_timeout(self) -> None:
             self._header_timer = None

@@ -30,6 +30,13 @@ def none_hash(seed: str | None) -> bytes:
     return sha256_cbor(seed if seed is not None else DEFAULT_SEED)
 
 
+def salt_keys(cache_salt: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The first block's extra hash keys for a request's ``cache_salt``, as vLLM 0.32 builds them
+    (``generate_block_hash_extra_keys``: ``("cache_salt", salt)`` pairs, not the bare salt; with
+    the bare salt every salted hash differed from the engine's, so no tenant's prefix matched)."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
+
+
 def hash_block(parent: bytes | None, tokens: Sequence[int], none: bytes, extra: Any = None) -> bytes:
     return sha256_cbor((parent or none, tuple(tokens), extra))
 
@@ -98,7 +105,7 @@ class HashChain:
         parent = self._raw[-1] if self._raw else None
         new = 0
         for i in range(keep, len(tokens) // bs):
-            extra = (self.cache_salt,) if (i == 0 and self.cache_salt) else None
+            extra = salt_keys(self.cache_salt) if i == 0 else None
             parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
             self._raw.append(parent)
             self.hashes.append(external(parent))

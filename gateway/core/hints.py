@@ -33,11 +33,15 @@ Sources, highest precedence first (a field takes the first source that sets it):
 9. OpenAI: ``prompt_cache_key``, then ``user`` as a last resort.
 
 Validation: ids are 1-256 printable characters; numbers are bounded (see ``_RANGES``). An invalid
-value raises :class:`HintError` naming the field as the client wrote it.
+value raises :class:`HintError` naming the field as the client wrote it. A field of our own
+dialect that no hint has (a key of ``agent_hints`` or an ``X-Agent-*`` header not listed above,
+usually a typo) is found by :func:`unknown_hints`, with the nearest known name; other dialects'
+objects (``nvext``, ``metadata``, ``vllm_xargs``, ...) are theirs and are not checked.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -215,6 +219,24 @@ def _ours(b: _Builder, d: Mapping[str, Any], source: str, prefix: str) -> None:
         b.set("session_end", _bool(name("session_end"), d["session_end"]), source)
 
 
+#: The fields of ``agent_hints`` (also the body of ``POST /v1/agent/sessions/{id}/hints``).
+AGENT_HINT_FIELDS = (
+    "session_id",
+    "parent_session_id",
+    "agent_id",
+    "agent_role",
+    "turn_index",
+    "expected_tool_latency_ms",
+    "fan_out",
+    "latency_class",
+    "session_end",
+    "priority",
+    "kv_retention_ttl_s",
+)
+#: Our headers' prefix (lowercase): a header with it that is not one of ours is an unknown hint.
+#: (``x-agentgw-*`` does not have it.)
+OUR_HEADER_PREFIX = "x-agent-"
+
 _HEADER_FIELDS = {
     "x-agent-session-id": "session_id",
     "x-agent-parent-session-id": "parent_session_id",
@@ -391,6 +413,33 @@ def _codex(b: _Builder, headers: Mapping[str, str], body: Mapping[str, Any]) -> 
         b.set("turn_id", from_meta("turn_id"), "codex")
     if meta.get("request_kind") is not None:
         b.set("request_kind", from_meta("request_kind"), "codex")
+
+
+def _did_you_mean(name: str, known: tuple[str, ...] | frozenset[str], prefix: str = "") -> str:
+    """`; did you mean 'X'?` for the known name nearest ``name`` (compared without ``prefix``,
+    which every header shares), or nothing."""
+    tails = {k.removeprefix(prefix): k for k in known}
+    near = difflib.get_close_matches(name.removeprefix(prefix), sorted(tails), n=1, cutoff=0.7)
+    return f"; did you mean '{tails[near[0]]}'?" if near else ""
+
+
+def unknown_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> list[HintError]:
+    """Our own dialect's fields that no hint has: keys of ``agent_hints`` (named
+    ``agent_hints.<key>``) and ``X-Agent-*`` headers (lowercase) that are not ours, each a
+    :class:`HintError` with the nearest known name when there is one. Other dialects' objects
+    pass unchecked. ``headers`` as for :func:`parse_hints` (lowercase names)."""
+    problems = []
+    ah = body.get("agent_hints")
+    if isinstance(ah, dict):
+        for key in ah:
+            if key not in AGENT_HINT_FIELDS:
+                hint = _did_you_mean(str(key), AGENT_HINT_FIELDS)
+                problems.append(HintError(f"agent_hints.{key}", f"unknown field{hint}"))
+    for name in headers:
+        if name.startswith(OUR_HEADER_PREFIX) and name not in _HEADER_FIELDS:
+            hint = _did_you_mean(name, frozenset(_HEADER_FIELDS), OUR_HEADER_PREFIX)
+            problems.append(HintError(name, f"unknown hint header{hint}"))
+    return problems
 
 
 NO_HINTS = AgentHints()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from gateway.core.types import Medium, PrefixMatch
 
@@ -111,7 +111,17 @@ class PrefixIndex:
         if not first:
             return {}
         out: dict[str, PrefixMatch] = {}
-        for engine in first:
+        plain = first.keys() - self._tiered
+        if len(plain) > 1:
+            # engines with device copies only: one search for all of them, splitting the set at
+            # each probe (set operations in C: a fleet of hundreds of engines that all hold a
+            # shared system prompt costs O(log blocks) probes, not O(engines * log blocks))
+            for engine, n in self._longest_all(plain, hashes).items():
+                out[engine] = PrefixMatch(blocks=n, gpu_blocks=n, weighted_blocks=n * Medium.GPU.weight)
+            rest: Iterable[str] = first.keys() & self._tiered
+        else:
+            rest = first
+        for engine in rest:
             n = self._longest(engine, hashes, Medium.STORAGE)
             if engine in self._tiered:
                 gpu = self._longest(engine, hashes, Medium.GPU)
@@ -122,6 +132,28 @@ class PrefixIndex:
                 gpu * Medium.GPU.weight + (cpu - gpu) * Medium.CPU.weight + (n - cpu) * Medium.STORAGE.weight
             )
             out[engine] = PrefixMatch(blocks=n, gpu_blocks=gpu, weighted_blocks=weighted)
+        return out
+
+    def _longest_all(self, engines: set[str], hashes: Sequence[int]) -> dict[str, int]:
+        """Per engine of ``engines`` (each holds ``hashes[0]`` on the GPU only), the length of the
+        prefix it holds: a binary search over the chain that splits the engine set at each probe
+        (prefix closed: an engine holding block ``mid`` holds every block before it)."""
+        out: dict[str, int] = {}
+        get = self._holders.get
+        empty: dict[str, int] = {}
+        stack: list[tuple[int, int, set[str]]] = [(1, len(hashes), engines)]
+        while stack:
+            lo, hi, group = stack.pop()  # every engine of group holds hashes[lo - 1]
+            if lo >= hi:
+                for e in group:
+                    out[e] = lo
+                continue
+            mid = (lo + hi) // 2
+            right = group & (get(hashes[mid]) or empty).keys()
+            if right:
+                stack.append((mid + 1, hi, right))
+            if len(right) < len(group):
+                stack.append((lo, mid, group - right))
         return out
 
     def _longest(self, engine: str, hashes: Sequence[int], at_least: Medium) -> int:

@@ -49,6 +49,21 @@ from gateway.core.policies.scorers import (
 from gateway.core.policies.split import CostSplit
 from gateway.core.types import Candidate, Decision, EngineView, RouteRequest, Snapshot
 
+DEFAULT_WEIGHTS: dict[str, float] = {
+    "prefix": 3.0,
+    "session_affinity": 2.0,
+    "parent_prefix": 1.5,
+    "spread": 1.0,
+    "queue": 1.0,
+    "kv_usage": 0.5,
+    "interference": 0.0,
+    "home_load": 0.0,
+}
+"""Scorer weights of the ``agentic`` profile; a weight left out of ``RoutingParams.weights``
+takes its default from here. ``interference`` and ``home_load`` are opt-in (0): ``home_load``
+also sends subagents and new sessions away from a cached parent prefix, which a small fleet then
+recomputes (docs/benchmarks_sim.md has both measured)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingParams:
@@ -61,14 +76,11 @@ class RoutingParams:
     leaves its home (or best-scored engine) when its KV there would pass the cost model's decode
     knee for this rate (``EngineCost.decode_knee``: u = 0.31 for the default step polynomial at
     50 tok/s) and another engine stays under it (reason ``kv_balance``). 0: off (only the fit
-    check at a full cache). On the Weka dev trace in the simulator: capacity at the SLO from 12
-    to N lanes (docs/benchmarks_sim.md)."""
+    check at a full cache)."""
     knee_move_max_s: float = 0.0
     """The most a ``kv_balance`` move may add to the turn's estimated time to first token (the
     target's uncached tokens x ``prefill_s_per_token`` + its queue x ``queue_s_per_request``,
-    against the home's), for fleets where TTFT matters more than decode speed. 0: any move (the
-    default: on the Weka dev trace every budget tried, 1-5 s, lost capacity at the SLO;
-    docs/benchmarks_sim.md)."""
+    against the home's), for fleets where TTFT matters more than decode speed. 0: any move."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     cold_home_no_affinity: bool = True
@@ -80,9 +92,7 @@ class RoutingParams:
     """``cost``: work-conserving first-turn / warm split (policies/split.py); ``wall``: the
     fixed ``first_turn_threshold_tokens`` filter. ``cost`` reads the engine views' ``decoding``
     and ``prefill_backlog_tokens`` (the gateway's load ledger, gateway/core/load.py, fills them
-    in the service; the simulator from its ledger or its engine model). Default since the
-    simulator's capacity at the SLO on the Weka dev trace, 2 first-turn + 6 warm: 12 lanes with
-    ``cost``, 0 with ``wall`` (docs/benchmarks_sim.md)."""
+    in the service; the simulator from its ledger or its engine model)."""
     cost_prefill_ms: tuple[float, float, float] = EngineCost().prefill_ms
     cost_chunk_tokens: int = EngineCost().chunk_tokens
     cost_decode_ms: tuple[float, float, float] = EngineCost().decode_ms
@@ -100,25 +110,12 @@ class RoutingParams:
     move_bytes_per_s: float = EngineCost().move_bytes_per_s
     split_move_weight: float = 0.5
     split_interference_weight: float = 1.0
-    weights: dict[str, float] = field(
-        default_factory=lambda: {
-            "prefix": 3.0,
-            "session_affinity": 2.0,
-            "parent_prefix": 1.5,
-            "spread": 1.0,
-            "queue": 1.0,
-            "kv_usage": 0.5,
-            # balances decoding KV across engines: +4 lanes at the SLO on the Weka dev trace in
-            # the simulator at weight 5 (docs/benchmarks_sim.md, `+bal`), but it also sends
-            # subagents and new sessions away from a cached parent prefix, which on a small fleet
-            # recomputes it (the 3-engine routing e2e test): opt-in, `routing.weights.home_load`
-            "home_load": 0.0,
-        }
-    )
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    """Scorer weights of the ``agentic`` profile (missing ones: :data:`DEFAULT_WEIGHTS`)."""
 
 
-def _w(p: RoutingParams, name: str, default: float) -> float:
-    return p.weights.get(name, default)
+def _w(p: RoutingParams, name: str) -> float:
+    return p.weights.get(name, DEFAULT_WEIGHTS[name])
 
 
 def engine_cost(p: RoutingParams) -> EngineCost:
@@ -149,14 +146,14 @@ def _agentic(p: RoutingParams) -> Profile:
         "agentic",
         (Healthy(), ServesModel(), _pool_role(p), Saturation(p.saturation_max_queue)),
         (
-            Weighted(PrefixScorer(), _w(p, "prefix", 3.0)),
-            Weighted(SessionAffinityScorer(), _w(p, "session_affinity", 2.0)),
-            Weighted(ParentPrefixScorer(), _w(p, "parent_prefix", 1.5)),
-            Weighted(SpreadScorer(), _w(p, "spread", 1.0)),
-            Weighted(QueueScorer(), _w(p, "queue", 1.0)),
-            Weighted(KvUsageScorer(), _w(p, "kv_usage", 0.5)),
-            Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference", 0.0)),
-            Weighted(HomeLoadScorer(), _w(p, "home_load", 0.0)),
+            Weighted(PrefixScorer(), _w(p, "prefix")),
+            Weighted(SessionAffinityScorer(), _w(p, "session_affinity")),
+            Weighted(ParentPrefixScorer(), _w(p, "parent_prefix")),
+            Weighted(SpreadScorer(), _w(p, "spread")),
+            Weighted(QueueScorer(), _w(p, "queue")),
+            Weighted(KvUsageScorer(), _w(p, "kv_usage")),
+            Weighted(InterferenceScorer(engine_cost(p)), _w(p, "interference")),
+            Weighted(HomeLoadScorer(), _w(p, "home_load")),
         ),
         StickyBounded(
             p.sticky_max_queue,
@@ -164,7 +161,7 @@ def _agentic(p: RoutingParams) -> Profile:
             p.queue_s_per_request,
             decode_kv_high=engine_cost(p).decode_knee(p.interactivity_tok_s),
             move_max_s=p.knee_move_max_s or float("inf"),
-            affinity_weight=_w(p, "session_affinity", 2.0) if p.cold_home_no_affinity else 0.0,
+            affinity_weight=_w(p, "session_affinity") if p.cold_home_no_affinity else 0.0,
             spread_new=p.new_session_load,
         ),
     )

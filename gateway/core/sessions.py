@@ -16,7 +16,7 @@ quotas sum to at most the capacity, so only they can overflow it).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,10 @@ class SessionRecord:
         return s[len(s) // 2]
 
 
+Mutation = Callable[[SessionRecord | None], SessionRecord | None]
+"""A read-modify-write of one session record (None in: none live; None out: write nothing)."""
+
+
 def namespace_of(session_id: str, quotas: Mapping[str, int]) -> str:
     """The namespace of ``session_id`` ("" when it is none with a quota)."""
     ns, sep, _ = session_id.partition(":")
@@ -176,6 +180,14 @@ class SessionTable:
                 evicted.append(first)
             self.evicted_capacity += 1
         return evicted
+
+    def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
+        """Read-modify-write one record: ``fn`` gets it (None: none live) and returns what to
+        store (None: nothing); returns what was stored."""
+        rec = fn(self.get(session_id, now))
+        if rec is not None:
+            self.put(rec)
+        return rec
 
     def touch(self, session_id: str) -> None:
         if session_id in self._records:

@@ -2,7 +2,7 @@
 input, and from a decision and an outcome to the session record. Pure: the caller passes the
 clock, the records and the prefix matches in.
 
-The gateway service (``gateway/service/turns.py``) and the simulator (``benchmarks/sim/cluster.py``)
+The gateway service (``gateway/service/turns.py``) and the simulator (``gateway/sim/cluster.py``)
 both run a turn as::
 
     req, snap = prepare(turn, record, parent, matches, parent_matches, engines, siblings)

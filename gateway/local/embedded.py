@@ -5,12 +5,6 @@
 ``agentgw plan`` recommends for 3 engines; prefix caching, ``--enforce-eager``, KV events on ZMQ,
 a small KV cache), waits until they are healthy and returns the gateway config for them (its
 pools as the layout says). The caller stops the engines on exit (:func:`stop_all`).
-
-Each engine serves the tiny model under two names: its own (``tiny-llama``) and
-:data:`~gateway.local.agent_script.AGENT_MODEL` (``tiny-agent``), with the scripted decoder loaded
-(``gateway/local/scripted_decoder.py``): a request whose prompt holds an agent script gets the
-script's next step (a tool call, or the answer), so a real harness runs a real agent loop; any
-other request gets the random model's tokens, whichever name it used.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gateway.local.agent_script import AGENT_MODEL, SCRIPTED_DECODER
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.layout import DEFAULT, LocalLayout
 from gateway.local.tiny_model import build_tiny_model
@@ -36,12 +29,25 @@ def start_local_engines(
     max_model_len: int = 32768,
     extra_args: tuple[str, ...] = (),
     timeout_s: float = 240.0,
-    model_dir: Path | None = None,
 ) -> tuple[list[LocalEngine], dict[str, Any]]:
-    """Start the engines; return them and the gateway config (as a dict) that fronts them.
+    """Start the engines and wait until they are ready; return them and the gateway config (as a
+    dict) that fronts them."""
+    specs, data = plan_local_engines(layout, arch, home, kv_cache_gib, max_model_len, extra_args)
+    return start_engines(specs, timeout_s=timeout_s), data
 
-    ``model_dir``: where the tiny model is built (default: under ``home``)."""
-    model_dir = build_tiny_model(model_dir or home / "models" / SERVED_NAMES[arch], arch)
+
+def plan_local_engines(
+    layout: LocalLayout = DEFAULT,
+    arch: str = "llama",
+    home: Path = DEFAULT_HOME,
+    kv_cache_gib: int = 1,
+    max_model_len: int = 32768,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[list[EngineSpec], dict[str, Any]]:
+    """Build the tiny model if it is missing and choose the engines' ports: their specs (nothing
+    started yet) and the gateway config (as a dict) that fronts them, so the gateway can listen
+    while they start (``agentgw serve``)."""
+    model_dir = build_tiny_model(home / "models" / SERVED_NAMES[arch], arch)
     ports = free_ports(2 * layout.engines)
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -52,8 +58,6 @@ def start_local_engines(
                 name=name,
                 model_dir=model_dir,
                 served_model_name=SERVED_NAMES[arch],
-                served_aliases=(AGENT_MODEL,),
-                logits_processors=(SCRIPTED_DECODER,),
                 port=ports[2 * i],
                 kv_events_port=ports[2 * i + 1],
                 log_path=logs / f"{name}.log",
@@ -62,25 +66,23 @@ def start_local_engines(
                 extra_args=extra_args,
             )
         )
-    engines = start_engines(specs, timeout_s=timeout_s)
-    return engines, config_for(specs, model_dir, layout)
+    return specs, config_for(specs, model_dir, layout)
 
 
 def config_for(specs: list[EngineSpec], model_dir: Path, layout: LocalLayout) -> dict[str, Any]:
     """``pools`` and ``models`` for the engines of ``specs`` (one per layout engine, in order)."""
 
     def engine(s: EngineSpec) -> dict[str, Any]:
-        out = {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
-        if s.served_aliases:
-            out["aliases"] = list(s.served_aliases)
-        return out
+        return {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
 
     pools = layout.pools([engine(s) for s in specs])
-    names = [specs[0].served_model_name, *specs[0].served_aliases]
-    models = [
-        {"name": n, "tokenizer": str(model_dir), "block_size": 128, "hash_seed": HASH_SEED} for n in names
-    ]
-    return {"pools": pools, "models": models}
+    model = {
+        "name": specs[0].served_model_name,
+        "tokenizer": str(model_dir),
+        "block_size": 128,
+        "hash_seed": HASH_SEED,
+    }
+    return {"pools": pools, "models": [model]}
 
 
 def stop_all(engines: list[LocalEngine]) -> None:

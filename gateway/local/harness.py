@@ -11,6 +11,12 @@ build the non-interactive commands (`claude -p`, `codex exec`); run them with `c
     env = claude_env("http://127.0.0.1:8000", home)
     subprocess.run(claude_argv(clients, "say hello", "tiny-llama"), env=env, cwd=home, timeout=300)
 
+`agentgw claude ARGS...` / `agentgw codex ARGS...` (:func:`run_client`) run the installed client
+against a running gateway (``AGENTGW_URL``, default ``http://127.0.0.1:8000``) in the user's own
+working folder and HOME: base URL, key (``AGENTGW_API_KEY``, else ``unused``), the gateway's model
+and ``PATH`` set for that one process (Codex through ``-c`` overrides, so ``~/.codex/config.toml``
+is not touched).
+
 Sync stdlib only.
 """
 
@@ -27,14 +33,20 @@ __all__ = [
     "CLAUDE_CODE_VERSION",
     "CODEX_PACKAGE",
     "CODEX_VERSION",
+    "DEFAULT_URL",
+    "GatewayUnavailable",
     "HarnessClients",
     "HarnessMissing",
     "claude_argv",
     "claude_env",
+    "client_command",
     "codex_argv",
     "codex_env",
+    "gateway_url",
     "harness_clients",
     "npm_prefix",
+    "run_client",
+    "served_model",
 ]
 
 CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
@@ -61,6 +73,13 @@ def npm_prefix() -> Path:
     return Path(os.environ.get("AGENTGW_NPM_PREFIX", _REPO / ".agentgw" / "npm"))
 
 
+class GatewayUnavailable(RuntimeError):
+    """No gateway answers at the URL, or it serves no model yet."""
+
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
 def _installed(prefix: Path, package: str, version: str, command: str) -> Path:
     manifest = prefix / "node_modules" / package / "package.json"
     exe = prefix / "node_modules" / ".bin" / command
@@ -71,7 +90,7 @@ def _installed(prefix: Path, package: str, version: str, command: str) -> Path:
     if found != version or not os.access(exe, os.X_OK):
         raise HarnessMissing(
             f"{package}@{version} is not installed in {prefix} (found {found or 'nothing'}): "
-            "run ./scripts/setup.sh"
+            "run ./scripts/setup.sh --harnesses"
         )
     return exe
 
@@ -153,3 +172,107 @@ def codex_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) 
 def codex_argv(clients: HarnessClients, prompt: str, model: str, *extra: str) -> list[str]:
     """`codex exec --skip-git-repo-check -m MODEL PROMPT` (`extra` goes after `exec`, e.g. `resume --last`)."""
     return [str(clients.codex), "exec", *extra, "--skip-git-repo-check", "-m", model, prompt]
+
+
+# -- `agentgw claude` / `agentgw codex` ----------------------------------------------------------
+def gateway_url(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return (env.get("AGENTGW_URL") or DEFAULT_URL).rstrip("/")
+
+
+def served_model(url: str, key: str, timeout_s: float = 10.0) -> str:
+    """The first model the gateway at ``url`` serves now (``GET /v1/models``)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            models = [m["id"] for m in json.loads(r.read())["data"]]
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise GatewayUnavailable(
+            f"no gateway answers at {url} ({exc}); start one with ./scripts/run.sh, or set AGENTGW_URL"
+        ) from None
+    if not models:
+        raise GatewayUnavailable(
+            f"the gateway at {url} serves no model yet: its engines are starting (GET {url}/ready)"
+        )
+    return str(models[0])
+
+
+def _has_option(args: list[str], *names: str) -> bool:
+    return any(a in names or a.startswith(tuple(f"{n}=" for n in names)) for a in args)
+
+
+_QUIET = {
+    # the gateway is local: no telemetry, error reports or update checks to the vendor
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+}
+
+
+def client_command(
+    name: str,
+    args: list[str],
+    exe: Path,
+    url: str,
+    key: str,
+    model: str,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run client ``name`` (claude | codex) with ``args``
+    against the gateway at ``url``; the caller's own variables are kept except those set here
+    (the user's settings of the quiet switches win)."""
+    env = dict(os.environ if environ is None else environ)
+    env["PATH"] = f"{exe.parent}{os.pathsep}{env.get('PATH', '/usr/local/bin:/usr/bin:/bin')}"
+    if name == "claude":
+        env |= {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": key}
+        if not _has_option(args, "--model") and not env.get("ANTHROPIC_MODEL"):
+            env["ANTHROPIC_MODEL"] = model
+        for k, v in _QUIET.items():
+            env.setdefault(k, v)
+        return [str(exe), *args], env
+    if name != "codex":
+        raise ValueError(f"unknown client {name!r}")
+    p = f"model_providers.{PROVIDER}"
+    overrides = [
+        f'model_provider="{PROVIDER}"',
+        f'{p}.name="{PROVIDER}"',
+        f"{p}.base_url={json.dumps(url + '/v1')}",
+        f'{p}.wire_api="responses"',
+        f'{p}.env_key="AGENTGW_API_KEY"',
+        "analytics.enabled=false",
+        "feedback.enabled=false",
+        "check_for_update_on_startup=false",
+    ]
+    if not _has_option(args, "-m", "--model"):
+        overrides.append(f"model={json.dumps(model)}")
+    env["AGENTGW_API_KEY"] = key
+    return [str(exe), *(a for o in overrides for a in ("-c", o)), *args], env
+
+
+def run_client(name: str, args: list[str]) -> int:
+    """`agentgw claude|codex ARGS...`: replace this process with the client (see the module doc);
+    a missing install or gateway is a one-line message and exit status 2 or 1."""
+    import sys
+
+    package, version = (
+        (CLAUDE_CODE_PACKAGE, CLAUDE_CODE_VERSION) if name == "claude" else (CODEX_PACKAGE, CODEX_VERSION)
+    )
+    try:
+        exe = _installed(npm_prefix(), package, version, name)
+    except HarnessMissing as exc:
+        print(f"agentgw {name}: {exc}", file=sys.stderr)
+        return 2
+    url = gateway_url()
+    key = os.environ.get("AGENTGW_API_KEY") or "unused"
+    try:
+        model = served_model(url, key)
+    except GatewayUnavailable as exc:
+        print(f"agentgw {name}: {exc}", file=sys.stderr)
+        return 1
+    argv, env = client_command(name, args, exe, url, key, model)
+    os.execve(argv[0], argv, env)
+    return 0  # not reached

@@ -1,12 +1,12 @@
 """The local engine layout: how many engines `agentgw serve` starts and which pool each one joins.
 
-:data:`DEFAULT` is what ``agentgw plan`` (benchmarks/plan.py) recommends for 3 local engines,
+:data:`DEFAULT` is what ``agentgw plan`` (gateway/sim/plan.py) recommends for 3 local engines,
 recorded with the sweep that found it in ``benchmarks/plans/default_3engines.json``
 (:data:`RECORD`). ``tests/benchmarks/test_default_layout.py`` checks that the record's
 recommendation is :data:`DEFAULT` and that the record still describes the simulator as it is
 (it re-runs the record's small fingerprint sweep and compares every figure), so the default
 cannot drift from the measurement silently: a routing or simulator change fails that test until
-the plan is re-run (``python -m benchmarks.plan --record``, the command is in the record) and
+the plan is re-run (``python -m gateway.sim.plan --record``, the command is in the record) and
 :data:`DEFAULT` set to what it recommends.
 
 Engines are named ``engine0 .. engine{N-1}``; the first ``first_turn`` of them form the

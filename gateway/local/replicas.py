@@ -1,7 +1,8 @@
 """Several gateway replicas behind a real load balancer on loopback: Debian's nginx (1.22) in front
 of N ``agentgw serve`` processes that share one Redis. Used by the balancer test
-(tests/gateway/test_balancer.py), ``python -m benchmarks.replicas`` and, through the same
-configuration text, docker-compose.yml's ``replicas`` profile (deploy/nginx/agentgw.conf).
+(tests/gateway/test_balancer.py), ``python -m benchmarks.replicas`` and docker-compose.yml's
+``replicas`` profile (deploy/launch.py ``balancer`` writes its configuration with
+:func:`nginx_conf`).
 
 The balancer's settings (:func:`nginx_conf`) are the ones a gateway fleet needs:
 
@@ -151,7 +152,17 @@ class Nginx:
     def start(self) -> Nginx:
         err = open(self.dir / "stderr.log", "ab")  # noqa: SIM115 (nginx's own output)
         self.proc = subprocess.Popen(
-            [self.exe, "-p", str(self.dir), "-c", str(self.conf), "-g", "daemon off;"],
+            [
+                self.exe,
+                "-p",
+                str(self.dir),
+                "-e",
+                str(self.dir / "error.log"),
+                "-c",
+                str(self.conf),
+                "-g",
+                "daemon off;",
+            ],
             stdout=err,
             stderr=err,
         )

@@ -1,13 +1,18 @@
 """The engine registry: configured engines, their health and their load, kept fresh by tasks.
 
-Active health: every ``health_interval_s`` each engine's ``/health`` is probed; after
+Active health: every ``health_interval_s`` each engine's ``/health`` is probed. An engine that
+has never passed a probe is *starting*: its first failed probe takes it out of routing at once
+(a gateway started before its engines answers 503 ``no_healthy_engine``, with Retry-After, and
+``/ready`` names what it waits for, instead of trying engines that do not answer yet: vLLM binds
+its port before its engine is built, so a starting engine's probe times out rather than being
+refused, and even a panicking pool leaves it out). After that, after
 ``eject_after_failures`` consecutive failures it is ejected (routing skips it), after
 ``readmit_after_successes`` consecutive successes it is re-admitted. Passive health: a connection
 failure seen by the proxy counts as a failed probe.
 
 Panic (as Envoy's panic threshold): when the fraction of a pool's engines passing probes is at
 or below ``limits.panic_threshold`` (default 0: none passes), the pool is *panicking* and its
-views report every engine that did not refuse a connection as healthy, so a pool whose live
+views report every engine that has answered before and did not refuse a connection as healthy, so a pool whose live
 engines are merely slow to answer probes under load keeps serving instead of answering 502/503.
 Engines that refused a connection (nothing listens) stay out. Every ejection calls the
 ``on_eject`` callbacks with the engine's name (the re-homer moves its sessions). Load:
@@ -76,6 +81,8 @@ class EngineState:
     """Share of the device cache held by engine_ext soft pins (control server's /metrics)."""
     pins_refused: bool = False
     """The control API refused the last pin scrape (wrong token): logged once per episode."""
+    seen: bool = False
+    """It has passed a probe since the gateway started (until then it is starting)."""
     removed: bool = False
     """Left the configuration: never routed to again; dropped once nothing is in flight there."""
 
@@ -89,7 +96,7 @@ class EngineState:
             pool=self.pool,
             role=self.role,
             models=self.models,
-            healthy=not self.removed and (self.healthy or (panic and not self.refused)),
+            healthy=not self.removed and (self.healthy or (panic and self.seen and not self.refused)),
             running=self.running,
             waiting=self.waiting,
             kv_usage=self.kv_usage,
@@ -237,7 +244,7 @@ class Cluster:
         s = self.engines.get(name)
         if s is None or s.removed:
             return False
-        return s.healthy or (not s.refused and self.panicking()[s.pool])
+        return s.healthy or (s.seen and not s.refused and self.panicking()[s.pool])
 
     def models(self) -> list[str]:
         return sorted({m for v in self.views() if v.healthy for m in v.models})
@@ -245,6 +252,22 @@ class Cluster:
     def ready(self) -> dict[str, bool]:
         """Per pool: does it have a healthy engine?"""
         return {p: any(self.engines[n].healthy for n in names) for p, names in self.pools.items()}
+
+    def waiting(self) -> dict[str, str]:
+        """The engines routing skips, each with why: ``starting`` (it has not answered a probe
+        since the gateway started), ``refusing connections`` or ``failing probes``."""
+        out = {}
+        for name, s in self.engines.items():
+            if s.healthy:
+                continue
+            out[name] = (
+                "starting" if not s.seen else "refusing connections" if s.refused else "failing probes"
+            )
+        return out
+
+    def starting(self) -> list[str]:
+        """The engines that have not passed a probe yet (none once all have answered once)."""
+        return [name for name, s in self.engines.items() if not s.seen]
 
     # -- updating ------------------------------------------------------------------------------
     def _changed(self) -> None:
@@ -287,6 +310,13 @@ class Cluster:
         limits = self._config.limits
         if ok:
             s.failures, s.successes, s.refused = 0, s.successes + 1, False
+            if not s.seen:
+                s.seen = True
+                if not s.healthy:  # starting, now up: admitted at its first answer
+                    s.healthy = True
+                    log.warning("engine %s is up", name)
+                    self._changed()
+                    return
             if not s.healthy and s.successes >= limits.readmit_after_successes:
                 s.healthy = True
                 log.warning("engine %s re-admitted", name)
@@ -296,6 +326,11 @@ class Cluster:
             if s.refused != refused:
                 s.refused = refused
                 self._changed()
+            if not s.seen:  # starting: out of routing until it answers (nothing to eject)
+                if s.healthy:
+                    s.healthy = False
+                    self._changed()
+                return
             if s.healthy and s.failures >= limits.eject_after_failures:
                 s.healthy = False
                 log.warning("engine %s ejected after %d failed probes", name, s.failures)

@@ -32,6 +32,7 @@ from gateway.core.prefix_index import PrefixIndex
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind
 from gateway.core.types import Medium
+from gateway.service.responses import is_owner_key
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService
@@ -333,6 +334,7 @@ async def dashboard_state(
     """The whole dashboard as one JSON-ready dict (reads only)."""
     cluster, migrations = service.cluster, service.migrations
     recs = await service.sessions.recent(min(session_limit, MAX_SESSIONS), now)
+    recs = [r for r in recs if not is_owner_key(r.session_id)]  # stored responses' engines
 
     last_by_session: dict[str, Migration] = {}
     for m in migrations.recent:
@@ -356,8 +358,8 @@ async def dashboard_state(
             # the approximate index holds text chunks (~4 characters a token) unless the model is
             # tokenized (exact hashes without KV events)
             approx_bs = bs if service.prompts.exact_for(model) else max(1, chunk_chars // 4)
-            exact = _held_by_medium(service.placement.indexes[IndexKind.PRECISE], name)
-            approx = _held_by_medium(service.placement.indexes[IndexKind.APPROX], name)
+            exact = _held_by_medium(service.placement.core.indexes[IndexKind.PRECISE], name)
+            approx = _held_by_medium(service.placement.core.indexes[IndexKind.APPROX], name)
             tiers = {k: exact[k] * bs + approx[k] * approx_bs for k in exact}
             engines.append(
                 {

@@ -17,20 +17,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 import orjson
-from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig, TimeoutsConfig
-from gateway.core.hints import GATEWAY_BODY_KEYS, HINT_HEADERS, AgentHints
+from gateway.core.hints import GATEWAY_BODY_KEYS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
 from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
 from gateway.service.errors import UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.proxy import CONNECT_ERRORS, HOP_HEADERS, RESPONSE_DROP, Upstream
-from gateway.service.tenants import CREDENTIAL_HEADERS
+from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 
 __all__ = ["Forwarder", "Relay"]
 
@@ -39,15 +37,37 @@ log = logging.getLogger("agentgw.forwarding")
 TAIL_CHUNKS = 3
 """Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
-_DROP_HEADERS = HOP_HEADERS | {b"content-type"} | {h.encode() for h in HINT_HEADERS} | CREDENTIAL_HEADERS
+STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt", "priority")
+"""Body fields that steer an engine (its KV connector, its prefix-cache namespace, its queue):
+sent only as the gateway sets them (:meth:`Forwarder.body`)."""
+STEERING_XARGS = ("kv_transfer_params", "ec_transfer_params", "agentic_context")
+"""The same inside ``vllm_xargs`` (vLLM copies them into the request's extra args), and the
+Dynamo hint block, which is the gateway's."""
+DROPPED_FIELDS = (*GATEWAY_BODY_KEYS, *STEERING_FIELDS)
+
+FORWARDED_HEADERS = frozenset(
+    {
+        b"accept",
+        b"user-agent",
+        b"x-request-id",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+        b"anthropic-version",
+        b"anthropic-beta",
+        b"openai-beta",
+    }
+)
+"""Request headers an engine gets (lowercase; with the gateway's ``content-type``). An
+allow-list: hop-by-hop headers (``Connection`` and the ones it names), credentials
+(``Authorization``, ``x-api-key``, ``Proxy-Authorization``, ``Cookie``), hint headers and
+anything an engine might act on (``X-data-parallel-rank``) stay at the gateway."""
 
 
 def _refused(exc: BaseException) -> bool:
     """Did the engine refuse the connection (nothing listens)? A timeout, a reset or a closed
     keep-alive connection does not say so."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return isinstance(exc.os_error, ConnectionRefusedError)
-    return not isinstance(exc, (TimeoutError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError))
+    return isinstance(exc, ConnectionRefused)
 
 
 @dataclass(slots=True)
@@ -56,7 +76,7 @@ class Relay:
 
     engine: str
     pool: str
-    response: aiohttp.ClientResponse
+    response: httpx.Response
     retried: bool
     cluster: Cluster | None = None
     ticket: Ticket | None = None
@@ -66,14 +86,15 @@ class Relay:
 
     @property
     def status(self) -> int:
-        return self.response.status
+        return self.response.status_code
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The engine's response headers worth relaying (lowercase names)."""
-        return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in RESPONSE_DROP]
+        return [(k.lower(), v) for k, v in self.response.headers.raw if k.lower() not in RESPONSE_DROP]
 
     def chunks(self) -> AsyncIterator[bytes]:
-        return self._first_then(self.response.content.iter_any())
+        """The body as it arrives (raises ``httpx.TransportError`` when the engine fails)."""
+        return self._first_then(aiter(self.response.stream))  # type: ignore[arg-type]
 
     async def _first_then(self, it: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         keep = self.tail.append
@@ -97,15 +118,12 @@ class Relay:
             self.cluster.finished(self.ticket)
 
     async def read(self) -> bytes:
-        return await self.response.read()
+        return await self.response.aread()
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         """Return a fully read connection to the pool; drop one that is mid-response (the client
         went away), which makes vLLM abort the request."""
-        if self.response.content.at_eof():
-            self.response.release()
-        else:
-            self.response.close()
+        await self.response.aclose()
 
 
 class Forwarder:
@@ -117,11 +135,15 @@ class Forwarder:
         self.cluster = cluster
         self.metrics = metrics
         t = config.timeouts
-        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s, sock_read=t.inter_chunk_s)
+        self._stream_timeout = {"connect": t.connect_s, "read": t.inter_chunk_s, "pool": t.connect_s}
+        self._whole_timeout = upstream.timeout.as_dict()
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
 
     @staticmethod
     def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        fwd = [(k, v) for k, v in headers if k not in _DROP_HEADERS]
+        """The request headers an engine gets: :data:`FORWARDED_HEADERS` only (ASGI servers
+        give names in lowercase), and the gateway's ``content-type``."""
+        fwd = [(k, v) for k, v in headers if k in FORWARDED_HEADERS]
         fwd.append((b"content-type", b"application/json"))
         return fwd
 
@@ -132,36 +154,37 @@ class Forwarder:
         hints: AgentHints,
         pin: dict[str, Any] | None,
         changed: bool = False,
+        salt: str | None = None,
     ) -> bytes:
         """The body the engine gets: ``raw`` unless something had to change (``changed``: the
         caller changed ``body`` already). ``pin`` is engine_ext's ``kv_transfer_params.agentgw``
-        for this turn (None: none). A client's own ``kv_transfer_params.agentgw`` never reaches
-        engine_ext: it could pin, release or evict another session's KV."""
-        kv = body.get("kv_transfer_params")
-        if isinstance(kv, dict) and "agentgw" in kv:
-            rest = {k: v for k, v in kv.items() if k != "agentgw"}
-            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            if rest:
-                body["kv_transfer_params"] = rest
-            kv = rest or None
+        for this turn (None: none); ``salt`` the tenant's prefix-cache salt (None: none).
+
+        Fields that steer an engine (:data:`STEERING_FIELDS`, :data:`STEERING_XARGS`) reach it
+        only as the gateway sets them, never as a client sent them: a client's
+        ``kv_transfer_params`` could point vLLM's KV connector at another host
+        (``remote_host``, ``do_remote_prefill``) or, with ``agentgw``, pin, release or evict
+        another session's KV; ``vllm_xargs.kv_transfer_params`` is copied by vLLM into the
+        same place; ``priority`` would jump another tenant's queue; ``cache_salt`` is the
+        tenant's or none."""
+        drop = [k for k in DROPPED_FIELDS if k in body]
+        if drop:
+            body = {k: v for k, v in body.items() if k not in drop}
             changed = True
-        elif kv is not None and not isinstance(kv, dict):
-            kv = None
-        if pin is not None:
-            body = {**body, "kv_transfer_params": {**(kv or {}), "agentgw": pin}}
-            changed = True
-        for key in GATEWAY_BODY_KEYS:
-            if key in body:
-                body = {k: v for k, v in body.items() if k != key}
-                changed = True
         xargs = body.get("vllm_xargs")
-        if isinstance(xargs, dict) and "agentic_context" in xargs:
-            rest = {k: v for k, v in xargs.items() if k != "agentic_context"}
+        if isinstance(xargs, dict) and any(k in xargs for k in STEERING_XARGS):
+            rest = {k: v for k, v in xargs.items() if k not in STEERING_XARGS}
             body = (
                 {**body, "vllm_xargs": rest} if rest else {k: v for k, v in body.items() if k != "vllm_xargs"}
             )
             changed = True
-        if self.config.routing.forward_priority and hints.priority is not None and "priority" not in body:
+        if salt is not None:
+            body = {**body, "cache_salt": salt}
+            changed = True
+        if pin is not None:
+            body = {**body, "kv_transfer_params": {"agentgw": pin}}
+            changed = True
+        if self.config.routing.forward_priority and hints.priority is not None:
             body = {**body, "priority": hints.priority}
             changed = True
         return _dumps(body) if changed else raw
@@ -181,8 +204,7 @@ class Forwarder:
         again on the same engine (``LAG_RETRIES``). A streamed response may then fall silent
         for ``inter_chunk_s`` at most, a non-streamed one for ``read_s``."""
         t = self.config.timeouts
-        timeout = self._stream_timeout if stream else self.upstream.timeout
-        hdrs = CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+        timeout = self._stream_timeout if stream else self._whole_timeout
         last: BaseException | None = None
         lag_retries = 0
         tried: set[str] = set()
@@ -198,17 +220,22 @@ class Forwarder:
             uncached = decision.uncached_tokens + (decision.cached_tokens if fallback else 0)
             ticket = self.cluster.sent(name, uncached, decision.cached_tokens + decision.uncached_tokens)
             try:
+                request = httpx.Request(
+                    "POST",
+                    self._url(state.config.url, path),
+                    content=body,
+                    headers=headers,
+                    extensions={"timeout": timeout},
+                )
                 async with asyncio.timeout(t.first_byte_s):
-                    response = await self.upstream.session.post(
-                        state.config.url + path, data=body, headers=hdrs, timeout=timeout
-                    )
+                    response = await self.upstream.send(request)
             except CONNECT_ERRORS as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
                 # a timeout may be the gateway's own lag; a refusal or a reset is the engine's
                 excused = self.cluster.record_connect_failure(name, _timeout_s(exc, t), refused=_refused(exc))
                 last = exc
-                if excused and isinstance(exc, aiohttp.ConnectionTimeoutError):
+                if excused and isinstance(exc, httpx.ConnectTimeout):
                     # nothing was sent: the same engine again, once the loop catches up
                     self.metrics.upstream_errors.labels(name, "connect_lag").inc()
                     if lag_retries < LAG_RETRIES:
@@ -228,7 +255,7 @@ class Forwarder:
                     if nxt is not None:
                         tries.append(nxt)
                 continue
-            except aiohttp.ClientError as exc:
+            except httpx.TransportError as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
                 self.metrics.upstream_errors.labels(name, type(exc).__name__).inc()
@@ -248,20 +275,25 @@ class Forwarder:
                 return f
         return None
 
+    def _url(self, base: str, path: str) -> httpx.URL:
+        """An engine's URL for ``path`` (parsed once: a measurable cost per request)."""
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) >= 1024:
+                self._urls.clear()
+            url = self._urls[(base, path)] = httpx.URL(base + path)
+        return url
+
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         """One whole request to one engine (no retry: the caller chose the engine for a reason)."""
         state = self.cluster.engines[engine]
         self.cluster.begin(engine)
         try:
-            async with self.upstream.session.request(
-                method,
-                state.config.url + path,
-                data=body,
-                headers={"content-type": "application/json"},
-                timeout=self.upstream.timeout,
-            ) as r:
-                return r.status, await r.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            r = await self.upstream.http.request(
+                method, state.config.url + path, content=body, headers={"content-type": "application/json"}
+            )
+            return r.status_code, r.content
+        except (httpx.HTTPError, TimeoutError) as exc:
             self.metrics.upstream_errors.labels(engine, type(exc).__name__).inc()
             raise UpstreamFailed(
                 f"engine '{engine}' failed: {exc!r}", isinstance(exc, CONNECT_ERRORS)
@@ -294,7 +326,7 @@ LAG_RETRIES = 3
 
 def _timeout_s(exc: BaseException, t: TimeoutsConfig) -> float | None:
     """The limit a connect-phase timeout ran out of; None for a refusal or a reset."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, httpx.ConnectTimeout):
         return t.connect_s
     if isinstance(exc, TimeoutError):
         return t.first_byte_s

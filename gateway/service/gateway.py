@@ -1,22 +1,17 @@
-"""The gateway service: the app's stateful parts wired together, and a turn's way through them.
+"""The gateway service: the app's stateful parts wired together for the app's lifespan.
 
-A turn (any wire API: the edge has already parsed it) goes::
-
-    plan()   prompts.read -> placement.analyze -> placement.decide -> placement.place
-             -> forwarder.body / headers
-    open()   forwarder.open (one retry before the first byte)
-    finish() or abandon()  -> placement.settle (session record, planner, migrations)
-
-Each stage is a module with one job (:mod:`.prompts`, :mod:`.placement`, :mod:`.forwarding`,
-:mod:`.kv_events`, :mod:`.migrations`); this class owns them for the app's lifespan. Errors are
-domain errors (:mod:`.errors`); the edge maps them to HTTP.
+A generation request's life is the turn pipeline's (:mod:`.turns`), which orders the stages this
+class owns: :meth:`analyze` (:mod:`.prompts`, then the routing core's reading through
+:mod:`.placement`), :meth:`decide`, admission (:mod:`.admission`), the placement's commit and
+settlement, :meth:`open` (:mod:`.forwarding`), and in the background :mod:`.kv_events`,
+:mod:`.migrations`, :mod:`.rehome`. Errors are domain errors (:mod:`.errors`); the edge maps them
+to HTTP.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
@@ -25,7 +20,6 @@ from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
-from gateway.protocol import ParsedRequest
 from gateway.service.admission import Admission
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
@@ -41,36 +35,10 @@ from gateway.service.rehome import Rehomer
 from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import SessionStore
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
-from gateway.service.usage import count_usage
+from gateway.service.turns import Turns
+from gateway.wire.openai import ParsedRequest
 
-__all__ = ["Analysis", "GatewayService", "Plan", "Relay"]
-
-
-@dataclass(slots=True)
-class Plan:
-    """Where a parsed request goes and what is sent there."""
-
-    decision: Decision
-    body: bytes
-    headers: list[tuple[bytes, bytes]]
-    analysis: Analysis
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    tenant: Tenant = ANONYMOUS
-
-    def response_headers(self, up: Relay) -> list[tuple[bytes, bytes]]:
-        d = self.decision
-        reason = d.reason if not up.retried else "retry"
-        out = [
-            (b"x-agentgw-engine", up.engine.encode()),
-            (b"x-agentgw-pool", up.pool.encode()),
-            (b"x-agentgw-reason", reason.encode()),
-            (b"x-agentgw-cached-tokens-est", str(d.cached_tokens).encode()),
-        ]
-        sid = self.analysis.hints.session_id
-        local = self.tenant.local_id(sid) if sid is not None else None
-        if local is not None:
-            out.append((b"x-agentgw-session", local.encode()))
-        return out + self.extra_headers
+__all__ = ["Analysis", "GatewayService", "Relay"]
 
 
 def salt_for(parsed: ParsedRequest, salt: str) -> None:
@@ -111,6 +79,8 @@ class GatewayService:
         self.forwarder = Forwarder(config, upstream, cluster, metrics)
         self.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
         self.admission = Admission(config.admission, metrics=metrics)
+        self.turns = Turns(self)
+        """The turn pipeline: a generation request's life, stage by stage."""
         self._zmq: zmq.asyncio.Context | None = None
         self.subscribers: list[KvEventSubscriber] = []
         self.roles = (
@@ -167,30 +137,13 @@ class GatewayService:
             salt_for(parsed, tenant.cache_salt)
         prompt = await self.prompts.read(parsed, headers, dry_run, tenant)
         prev = parsed.previous_response_id
-        return await self.placement.analyze(prompt, tenant.namespace(prev) if prev is not None else None)
+        stored = tenant.namespace(prev) if prev is not None else None
+        return await self.placement.analyze(prompt, stored, prev)
 
     def decide(self, a: Analysis) -> Decision:
         return self.placement.decide(a)
 
-    async def plan(
-        self,
-        parsed: ParsedRequest,
-        raw: bytes,
-        headers: Sequence[tuple[bytes, bytes]],
-        tenant: Tenant = ANONYMOUS,
-    ) -> Plan:
-        a = await self.analyze(parsed, headers, tenant=tenant)
-        d = self.placement.decide(a)
-        salted = tenant.cache_salt is not None
-        # the body before the placement is written: a body that cannot be forwarded is a 400
-        # that leaves no session state behind
-        body = self.forwarder.body(parsed.body, raw, a.hints, self._pin(a, d), changed=salted)
-        await self.placement.place(a, d)
-        warning = a.prompt.warning
-        extra = [(b"x-agentgw-warning", warning.encode("latin-1", "replace"))] if warning else []
-        return Plan(d, body, self.forwarder.headers(headers), a, extra, tenant)
-
-    def _pin(self, a: Analysis, d: Decision) -> dict[str, Any] | None:
+    def pin_for(self, a: Analysis, d: Decision) -> dict[str, Any] | None:
         """engine_ext's ``kv_transfer_params.agentgw`` for this turn: pin the session's KV at the
         end of the request for the expected gap, or release it at the session's end."""
         h = a.hints
@@ -224,17 +177,6 @@ class GatewayService:
                 raise
             why = f"the engine that stored it, '{decision.engine}', cannot be reached"
             raise ResponseNotFound(continues, "previous_response_id", why) from None
-
-    async def abandon(self, plan: Plan) -> None:
-        """The request was planned but never reached an engine."""
-        await self.placement.settle(plan.analysis, plan.decision, None, ok=False)
-
-    async def finish(self, plan: Plan, up: Relay, status: str) -> None:
-        up.finished()
-        self.cluster.end(up.engine)
-        prompt = plan.analysis.request.prompt_tokens
-        count_usage(self.metrics, plan.tenant.name, status, up.tail, prompt, plan.decision.cached_tokens)
-        await self.placement.settle(plan.analysis, plan.decision, up.engine, ok=status.startswith("2"))
 
     async def remember_response(self, response_id: str, up: Relay, tenant: Tenant) -> None:
         """The engine of ``up`` stored the tenant's response ``response_id``."""

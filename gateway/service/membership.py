@@ -33,7 +33,6 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, PoolConfig
-from gateway.core.turn import IndexKind
 from gateway.service.kv_events import KvEventSubscriber
 
 if TYPE_CHECKING:
@@ -107,8 +106,7 @@ class Membership:
             ]
             for name in change["removed"] + renewed:
                 await self._unsubscribe(name)
-                for kind in (IndexKind.PRECISE, IndexKind.APPROX):
-                    svc.placement.indexes[kind].clear(name)
+                svc.placement.core.forget_engine(name)
             for name in change["added"] + renewed:
                 self._subscribe(name)
             svc.prompts.kv_events = any(

@@ -1,7 +1,9 @@
-"""Placement: where a turn goes and what the session remembers of it. Runs the core turn
-pipeline (:mod:`gateway.core.turn`) against the live state: the session store, the two prefix
-indexes, the engines' views and the in-flight subagents; after a turn, asks the planner where
-the session's KV should be for the next one and hands that to the migration executor.
+"""Placement: where a turn goes and what the session remembers of it. Drives the routing core
+(:class:`gateway.core.routing.RoutingCore`, which owns the prefix indexes, the homes and the
+in-flight subagents) with the live state: the session store's records (read before a turn
+arrives, written through the core's read-modify-writes) and the engines' views; after a turn,
+asks the planner where the session's KV should be for the next one and hands that to the
+migration executor.
 
 Decide and update are separate: :meth:`Placement.analyze` and :meth:`Placement.decide` only
 read (``/debug/route`` uses them as they are); :meth:`place` and :meth:`settle` write.
@@ -11,17 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
-from gateway.core import turn as pipeline
 from gateway.core.hints import AgentHints
 from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router
+from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
-from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
-from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
+from gateway.core.turn import IndexKind, Turn, index_for, restarts
+from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.metrics import GatewayMetrics
@@ -38,14 +40,12 @@ class Analysis:
     """Everything known about a request before deciding."""
 
     prompt: PromptRead
-    request: RouteRequest
-    snapshot: Snapshot
-    record: SessionRecord | None
-    parent: SessionRecord | None = None
+    arrival: Arrival
     owner: str | None = None
     """The one engine that can serve the turn (it holds the stored response it continues)."""
     owner_of: str | None = None
-    """That stored response's id."""
+    """That stored response's id, as the client named it (for its error messages: the stored,
+    namespaced id is the gateway's own)."""
 
     @property
     def hints(self) -> AgentHints:
@@ -55,8 +55,23 @@ class Analysis:
     def turn(self) -> Turn:
         return self.prompt.turn
 
+    @property
+    def request(self) -> RouteRequest:
+        return self.arrival.request
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self.arrival.snapshot
+
+    @property
+    def record(self) -> SessionRecord | None:
+        return self.arrival.record
+
 
 class Placement:
+    """The routing core (:class:`~gateway.core.routing.RoutingCore`) over the live state: the
+    session store's records, the engines' views, the migration executor."""
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -76,118 +91,91 @@ class Placement:
         self.prompts = prompts
         self.metrics = metrics
         self.clock = clock
-        cap = config.routing.index_capacity_blocks
-        self.indexes = {IndexKind.PRECISE: PrefixIndex(cap), IndexKind.APPROX: PrefixIndex(cap)}
-        self.siblings = Siblings()
-        self.homes = HomeLedger()
+        self.core = RoutingCore(router, config.routing.index_capacity_blocks)
         self.owners = ResponseOwners(sessions, clock)
 
     @property
     def index(self) -> PrefixIndex:
         """The index fed by the engines' KV events."""
-        return self.indexes[IndexKind.PRECISE]
+        return self.core.index
 
     # -- reading -------------------------------------------------------------------------------
-    async def analyze(self, prompt: PromptRead, continues: str | None = None) -> Analysis:
-        """``continues``: the id of a stored response the turn continues (its engine only)."""
+    async def analyze(
+        self, prompt: PromptRead, continues: str | None = None, shown: str | None = None
+    ) -> Analysis:
+        """``continues``: the (stored) id of a stored response the turn continues (its engine
+        only); ``shown``: that id as the client named it, for error messages."""
+        shown = shown if shown is not None else continues
         turn = prompt.turn
         h = turn.hints
         now = self.clock()
         rec = await self.sessions.get(h.session_id, now) if h.session_id else None
-        index = self.indexes[prompt.index]
-        parent, parent_matches = None, {}
+        parent = None
         if h.parent_session_id is not None:
             parent = await self.sessions.get(h.parent_session_id, now)
-            if parent is not None:
-                parent_matches = index.match(parent.prefix_hashes)
-        req, snap = pipeline.prepare(
-            turn,
-            rec,
-            parent,
-            index.match(turn.hashes),
-            parent_matches,
-            self._views(now),
-            self.siblings.view(h.parent_session_id),
-        )
+        arrival = self.core.on_arrival(turn, prompt.index, rec, parent, self.cluster.views(), now)
         owner = await self.owners.owner(continues) if continues is not None else None
         if continues is not None and owner is None:
-            raise ResponseNotFound(continues, "previous_response_id")
-        live = rec if rec is not None and not rec.ended else None
-        return Analysis(prompt, req, snap, live, parent, owner, continues)
-
-    def _views(self, now: float) -> tuple[EngineView, ...]:
-        """The engines as the router sees them, with the live sessions' context homed on each."""
-        homed = self.homes.homed(now)
-        views = self.cluster.views()
-        if not homed:
-            return views
-        return tuple(replace(v, homed_tokens=homed.get(v.name, 0)) for v in views)
+            raise ResponseNotFound(shown or "", "previous_response_id")
+        return Analysis(prompt, arrival, owner, shown)
 
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:
-            d = pipeline.owner_decision(a.request, a.snapshot, a.owner, self.router.profile.name)
+            d = self.core.owner(a.arrival, a.owner)
             if d is None:  # its engine is gone, and the history with it
                 raise ResponseNotFound(a.owner_of or "", "previous_response_id")
             return d
         try:
-            return self.router.route(a.request, a.snapshot)
+            return self.core.decide(a.arrival)
         except NoEngine as exc:
             if exc.reason == "unknown_model":
                 raise ModelNotFound(str(exc)) from None
-            raise NoCapacity(str(exc), self.config.limits.retry_after_s) from None
+            message = str(exc)
+            starting = self.cluster.starting()
+            if starting and not any(self.cluster.ready().values()):  # a gateway started before its engines
+                message += f": engines starting ({', '.join(starting)}); GET /ready says when they are up"
+            raise NoCapacity(message, self.config.limits.retry_after_s) from None
 
     def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
         """Where the session's last prompt is cached. Its hashes are exact when its model has a
         tokenizer (and KV events feed the precise index), else approximate."""
         model = model or rec.model
         exact = model is not None and self.prompts.exact_for(model)
-        return self.indexes[pipeline.index_for(exact, self.prompts.kv_events)].match(rec.prefix_hashes)
+        return self.core.matches(index_for(exact, self.prompts.kv_events), rec.prefix_hashes)
 
     # -- writing -------------------------------------------------------------------------------
+    async def _write(self, writes: list[Write], now: float) -> None:
+        for w in writes:
+            w.done(await self.sessions.update(w.session_id, now, w.apply))
+
     async def place(self, a: Analysis, d: Decision) -> None:
         """Record the decision: the approximate index learns where the prefix went, the session
         its new home, the parent its child, the fan-out its in-flight sibling."""
         self.metrics.count_decision(d.profile, d.pool, d.reason)
-        turn = a.turn
-        if a.prompt.index is IndexKind.APPROX:
-            self.indexes[IndexKind.APPROX].apply_stored(d.engine, turn.hashes)
-        h = turn.hints
-        sid = h.session_id
-        if sid is None:
-            return
-        if pipeline.restarts(a.record, turn):
+        sid = a.hints.session_id
+        if sid is not None and restarts(a.record, a.turn):
             self.metrics.session_restarts.inc()
-        if sid in self.migrations.current:
+        if sid is not None and sid in self.migrations.current:
             frac = d.cached_tokens / a.request.prompt_tokens if a.request.prompt_tokens else 0.0
             self.migrations.on_next_turn(sid, d.engine, frac)
         now = self.clock()
-        await self.sessions.update(sid, now, lambda rec: pipeline.place(rec, d, turn, now))
-        self.homes.placed(sid, d.engine, now)
-        parent_id = h.parent_session_id
-        if parent_id is not None:
-            if a.parent is not None and sid not in a.parent.children:
-                await self.sessions.update(parent_id, now, lambda p: pipeline.adopt(p, sid))
-            self.siblings.add(parent_id, d.engine)
+        await self._write(self.core.on_routed(a.arrival, d, now), now)
 
     async def settle(self, a: Analysis, d: Decision, served_on: str | None, ok: bool) -> None:
         """The turn is over (``served_on``: the engine that answered, None if none did)."""
+        now = self.clock()
+        writes = self.core.on_finished(a.arrival, d, served_on, ok, now)
         h = a.hints
-        if h.parent_session_id is not None:
-            self.siblings.remove(h.parent_session_id, d.engine)
-        sid = h.session_id
-        if sid is None:
+        if h.session_id is None:
             return
         if h.session_end:
-            await self.end_session(sid)
+            await self.end_session(h.session_id)
             return
-        now = self.clock()
-        rec = await self.sessions.update(
-            sid, now, lambda r: pipeline.settle(r, d.engine, served_on, ok, now, a.turn)
-        )
-        if rec is not None:
-            self.homes.settled(sid, rec.home or d.engine, rec.context_tokens, now)
-        if rec is not None and ok and served_on is not None:
-            self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
+        for w in writes:
+            rec = await self.sessions.update(w.session_id, now, w.apply)
+            w.done(rec)
+            if rec is not None and ok and served_on is not None:
+                self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
 
     def expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
         if hints.expected_tool_latency_ms is not None:
@@ -213,7 +201,7 @@ class Placement:
         action = plan_after_turn(
             outcome,
             self.cluster.views(),
-            self.indexes[index].match(rec.prefix_hashes),
+            self.core.matches(index, rec.prefix_hashes),
             self.migrations.params,
         )
         self.migrations.submit(action, self.prompts.session_tokens(rec.session_id))
@@ -224,7 +212,7 @@ class Placement:
         self.migrations.cancel(session_id, reason="session_end")
         rec = await self.sessions.delete(session_id)
         self.prompts.forget(session_id)
-        self.homes.ended(session_id)
+        self.core.on_ended(session_id)
         if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
             self.migrations.submit(
                 PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None

@@ -25,15 +25,23 @@ import orjson
 
 from gateway.analysis import Analysis, AnalysisRequest, AnalysisSkipped, PromptAnalyzer
 from gateway.config import GatewayConfig
-from gateway.core.hints import HEADER_NAMES, AgentHints, HintError, parse_hints
+from gateway.core.hints import (
+    HEADER_NAMES,
+    OUR_HEADER_PREFIX,
+    AgentHints,
+    HintError,
+    parse_hints,
+    unknown_hints,
+)
 from gateway.core.turn import IndexKind, Turn, approx_hashes, index_for
-from gateway.protocol import ParsedRequest
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import ANONYMOUS, Tenant
+from gateway.wire.openai import ParsedRequest
 
 __all__ = ["AUXILIARY_KINDS", "PromptRead", "Prompts", "without_session"]
 
 _HINT_HEADER_BYTES = frozenset(h.encode() for h in HEADER_NAMES)
+_OUR_PREFIX = OUR_HEADER_PREFIX.encode()
 
 #: ``request_kind`` values that mark a request as not the session's next turn (Codex:
 #: ``compaction``, ``memory``, ``prewarm``; Claude Code: ``compaction``, ``auxiliary``,
@@ -112,14 +120,25 @@ class Prompts:
     ) -> tuple[AgentHints, str | None]:
         hdrs = {}
         for k, v in headers:
-            if k in _HINT_HEADER_BYTES:
-                hdrs[k.decode("latin-1")] = v.decode("latin-1")
+            if k in _HINT_HEADER_BYTES or k.startswith(_OUR_PREFIX):  # an unknown X-Agent-* too
+                try:  # UTF-8 as clients send it (an id "café" is printable); else byte for byte
+                    hdrs[k.decode("latin-1")] = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    hdrs[k.decode("latin-1")] = v.decode("latin-1")
+        reject = self.config.hints.on_invalid == "reject"
+        warning = None
+        if hdrs or "agent_hints" in parsed.body:
+            unknown = unknown_hints(hdrs, parsed.body)
+            if unknown and reject:
+                raise unknown[0]
+            # ignore: the known hints still count; each unknown name is in the warning
+            warning = "; ".join(str(u) for u in unknown) or None
         try:
-            return parse_hints(hdrs, parsed.body), None
+            return parse_hints(hdrs, parsed.body), warning
         except HintError as exc:
-            if self.config.hints.on_invalid == "reject":
+            if reject:
                 raise
-            return AgentHints(), str(exc)
+            return AgentHints(), "; ".join(w for w in (warning, str(exc)) if w)
 
     def exact_for(self, model: str) -> bool:
         """Whether ``model``'s prompts get exact hashes (its tokenizer is configured)."""

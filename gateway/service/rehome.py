@@ -1,7 +1,7 @@
 """Re-homing: when an engine is ejected, its sessions get a new home before their next turn.
 
 The cluster calls :meth:`Rehomer.engine_ejected` when health ejects an engine (failed probes or a
-refused connection). For each session this replica homed there (the placement's
+refused connection). For each session this replica homed there (the routing core's
 :class:`~gateway.core.turn.HomeLedger`), the core's :func:`~gateway.core.planner.plan_rehome`
 picks the best healthy engine of the same pool; the session's record moves there at once (the
 next turn is sticky on it), and when the gateway kept the session's token ids and both engines
@@ -80,7 +80,7 @@ class Rehomer:
         """Re-home every session homed on ``dead``; returns how many moved."""
         p = self.placement
         moved = 0
-        for sid in p.homes.on_engine(dead):
+        for sid in p.core.homes.on_engine(dead):
             now = self.clock()
             rec = await p.sessions.get(sid, now)
             if rec is None or rec.ended or rec.home != dead:
@@ -104,7 +104,7 @@ class Rehomer:
 
             if await p.sessions.update(sid, now, _rehome(dead, target, pool)) is None:
                 continue
-            p.homes.moved(sid, target)
+            p.core.on_moved(sid, target)
             moved += 1
             tokens = p.prompts.session_tokens(sid)
             started = tokens is not None and p.migrations.submit(action, tokens) is not None

@@ -2,9 +2,13 @@
 history a ``previous_response_id`` continues) in the memory of the engine that made it; a request
 that continues it, and every call on ``/v1/responses/{id}``, must reach that engine.
 
-The owner is kept in the session store (memory or Redis: replicas agree), as a record keyed
-``response:<id>`` whose ``home`` is the engine: bounded and expiring with the sessions (a
-response idle past the sessions' TTL is forgotten, as an idle session is).
+The owner is kept in the session store (memory or Redis: replicas agree), as a record whose
+``home`` is the engine: bounded and expiring with the sessions (a response idle past the
+sessions' TTL is forgotten, as an idle session is). Its key is :func:`owner_key`: inside the
+tenant's namespace (``<tenant>:\x1fresponse:<id>``), so the tenant's session quota covers its
+stored responses and one tenant's responses never push out another's; and marked by a control
+character no session id can hold (hint ids are printable), so no session id of any tenant,
+whatever its name, can address an owner record.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from collections.abc import Callable
 from gateway.core.sessions import SessionRecord
 from gateway.service.session_store import SessionStore
 
-__all__ = ["RESPONSE_ID", "ResponseOwners", "find_response_id"]
+__all__ = ["RESPONSE_ID", "ResponseOwners", "find_response_id", "is_owner_key", "owner_key"]
 
-KEY_PREFIX = "response:"
+MARK = "\x1fresponse:"
 #: A response id as vLLM makes them (``resp_`` + hex); other characters are refused as ids.
 RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 _ID_IN_BODY = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,120})"')
@@ -32,6 +36,16 @@ def find_response_id(head: bytes) -> str | None:
     return m.group(1).decode() if m else None
 
 
+def owner_key(stored_id: str) -> str:
+    """The store key of the owner record of a (namespaced) response id: ``<ns>:<MARK><id>``."""
+    ns, sep, local = stored_id.partition(":")
+    return f"{ns}:{MARK}{local}" if sep else MARK + stored_id
+
+
+def is_owner_key(key: str) -> bool:
+    return MARK in key
+
+
 class ResponseOwners:
     def __init__(self, store: SessionStore, clock: Callable[[], float] = time.time) -> None:
         self.store = store
@@ -40,9 +54,9 @@ class ResponseOwners:
     async def remember(self, response_id: str, engine: str, pool: str) -> None:
         now = self.clock()
         await self.store.put(
-            SessionRecord(KEY_PREFIX + response_id, home=engine, pool=pool, created=now, last_activity=now)
+            SessionRecord(owner_key(response_id), home=engine, pool=pool, created=now, last_activity=now)
         )
 
     async def owner(self, response_id: str) -> str | None:
-        rec = await self.store.get(KEY_PREFIX + response_id, self.clock())
+        rec = await self.store.get(owner_key(response_id), self.clock())
         return rec.home if rec is not None else None

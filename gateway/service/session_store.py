@@ -43,7 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from gateway.core.sessions import SessionRecord, SessionTable, namespace_of
+from gateway.core.sessions import Mutation, SessionRecord, SessionTable, namespace_of
 from gateway.errors import ApiError
 from gateway.service.metrics import GatewayMetrics
 
@@ -59,9 +59,6 @@ class SessionStoreBusy(ApiError):
     """An update kept conflicting with concurrent writers (503 with ``Retry-After``)."""
 
     __slots__ = ()
-
-
-Mutation = Callable[[SessionRecord | None], SessionRecord | None]
 
 
 class SessionStore(Protocol):
@@ -120,9 +117,10 @@ class MemorySessionStore:
         _count_evictions(t, before, self.metrics)
 
     async def update(self, session_id: str, now: float, fn: Mutation) -> SessionRecord | None:
-        rec = fn(self.table.get(session_id, now))
-        if rec is not None:
-            self._put(rec)
+        t = self.table
+        before = (t.evicted_quota, t.evicted_capacity)
+        rec = t.update(session_id, now, fn)
+        _count_evictions(t, before, self.metrics)
         return rec
 
     async def delete(self, session_id: str) -> SessionRecord | None:

@@ -1,6 +1,7 @@
-"""Wire formats other than Chat Completions, reduced to what the gateway routes and hashes on.
+"""Every wire format the gateway speaks, reduced to what it routes and hashes on: OpenAI's Chat
+Completions and Completions (:mod:`gateway.wire.openai`), Anthropic's Messages, OpenAI's Responses.
 
-Pure (no I/O): each converter validates a parsed JSON body (a 400 :class:`~gateway.errors.ApiError`
+Pure (no I/O): each converter of a non-chat API validates a parsed JSON body (a 400 :class:`~gateway.errors.ApiError`
 naming the field) and returns a :class:`WirePrompt` whose ``chat`` is the Chat Completions
 request vLLM 0.32 builds internally for it, so one chat renderer gives every API's prompt.
 """

@@ -173,6 +173,7 @@ def _validate(body: Mapping[str, Any], count_tokens: bool) -> None:
         raise c.wrong("messages", "an array")
     for i, m in enumerate(messages):
         _validate_message(m, f"messages[{i}]")
+    max_tokens: int | None = None
     if not count_tokens:
         if body.get("max_tokens") is None:
             raise c.missing("max_tokens")
@@ -230,8 +231,10 @@ def _validate(body: Mapping[str, Any], count_tokens: bool) -> None:
             assert budget is not None
             if budget < 1024:
                 raise c.bad_value("thinking.budget_tokens", "must be at least 1024")
-            kv = body.get("kv_transfer_params") or {}
-            if not count_tokens and not kv.get("do_remote_decode") and budget >= body["max_tokens"]:
+            kv = body.get("kv_transfer_params")
+            remote = isinstance(kv, dict) and kv.get("do_remote_decode")
+            # the parsed max_tokens: the body's may be a numeric string ("4096" >= int was a 500)
+            if max_tokens is not None and not remote and budget >= max_tokens:
                 raise c.bad_value("thinking.budget_tokens", "must be less than max_tokens")
 
 

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import random
+import subprocess
+import sys
+import unicodedata
+from array import array
 from pathlib import Path
+from typing import Any
 
+import cbor2
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from gateway.analysis import fast_bpe
 from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE
 from gateway.analysis.tokenize import FAST_CHECK_EVERY, FAST_CHECK_FIRST, ChatTokenizer
 from gateway.local.tiny_model import CORPUS_DIR
@@ -187,7 +198,14 @@ def test_a_live_disagreement_turns_the_fast_path_off(tiny_llama: Path, abc_token
     broken = tok.fast
     assert broken is not None
     real = broken._ordinary
-    broken._ordinary = lambda seg: real(seg)[:-1]  # type: ignore[method-assign]
+
+    def drop_last(seg: str, out: Any) -> None:
+        n = len(out)
+        real(seg, out)
+        if len(out) > n:
+            out.pop()
+
+    broken._ordinary = drop_last  # type: ignore[method-assign]
     for t in texts[FAST_CHECK_FIRST:]:
         got = tok.prompt_info("chat", body(t)).tokens
         if tok.fast is None:
@@ -198,3 +216,171 @@ def test_a_live_disagreement_turns_the_fast_path_off(tiny_llama: Path, abc_token
     assert got == ref.prompt_info("chat", body(t)).tokens
     last = texts[-1] + " tail"
     assert tok.prompt_info("chat", body(last)).tokens == ref.prompt_info("chat", body(last)).tokens
+
+
+# -- the C encoder and block encoder (gateway/analysis/_native.c) -------------------------------
+
+_CHARS = (
+    "abcxyzABCXYZ stremvldSTREMVLDſ'’\"éèçñßøåÆ日本語中文한국어Ελληνικάрусскийעבריתالعربية"
+    "0123456789٠١٢३४²³½Ⅻⅷ〇 \t\n\r\x0b\x0c\x85\u00a0\u2028\u2029\u3000\u2009\u200b"
+    ".,;:!?-_()[]{}<>/\\|@#$%^&*+=~`🙂🚀👩\u200d💻e\u0301\u0308\ufb01\x00\x1b\ue000"
+)
+
+
+@pytest.fixture(scope="session")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The C module: the installed one (setup.sh's ``pip install -e`` builds it in place), else
+    built here from the source (a checkout that has not been installed since it was added)."""
+    if fast_bpe._native is not None:
+        return fast_bpe._native
+    out = tmp_path_factory.mktemp("native")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        "setup.py",
+        "-q",
+        "build_ext",
+        "--build-lib",
+        str(out),
+        "--build-temp",
+        str(out / "t"),
+    ]
+    subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    (path,) = out.rglob("_native*.so")
+    spec = importlib.util.spec_from_file_location("gateway.analysis._native", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def with_native(native: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from gateway.analysis import tokenize
+
+    monkeypatch.setattr(fast_bpe, "_native", native)
+    monkeypatch.setattr(tokenize, "_native", native)
+    return native
+
+
+@pytest.fixture(scope="module")
+def tiny_ranks(tiny_llama: Path) -> dict[bytes, int]:
+    fast, why = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
+    assert fast is not None, why
+    return dict(fast._core._mergeable_ranks)
+
+
+def test_the_c_encoder_is_used_when_built(tiny_llama: Path, with_native: Any) -> None:
+    fast, _ = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
+    assert fast is not None and fast._native is not None
+    assert set(fast_bpe.NATIVE_PATTERNS) == {fast_bpe.GPT2_PATTERN, LLAMA3_SPLIT, fast_bpe.QWEN2_PATTERN}
+
+
+def test_planes_4_to_13_are_unassigned_in_this_pythons_unicode_data() -> None:
+    """The C encoder's class table takes them as such without looking (faster start-up)."""
+    assert all(unicodedata.category(chr(cp)) == "Cn" for cp in range(0x40000, 0xE0000, 7))
+    assert all(c == 8 for c in fast_bpe._classes()[0x40000:0xE0000])
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(st.text(st.sampled_from(_CHARS), max_size=300), st.text(max_size=100)))
+def test_the_c_encoder_splits_and_merges_as_tiktokens_core(
+    tiny_ranks: dict[bytes, int], native: Any, kind: int, text: str
+) -> None:
+    """Every split regex it scans by hand, on text full of the edge cases of those regexes
+    (contractions in any case, digit runs, white space runs before words and line breaks,
+    unassigned and private-use code points)."""
+    pattern = {v: k for k, v in fast_bpe.NATIVE_PATTERNS.items()}[kind]
+    core = _core(pattern, tiny_ranks)
+    encoder = native.Encoder(tiny_ranks, kind, fast_bpe._classes())
+    try:
+        got = encoder.encode(text)
+    except ValueError:  # unassigned in Python's Unicode data, or a lone surrogate: refused
+        assume(False)
+    assert got == core.encode_ordinary(text)
+    packed = array("I")
+    packed.frombytes(encoder.encode_bytes(text))
+    assert packed.tolist() == got
+
+
+@functools.cache
+def _core_cached(pattern: str, ranks_id: int) -> Any:
+    import tiktoken
+
+    return tiktoken.Encoding(
+        f"t{ranks_id}", pat_str=pattern, mergeable_ranks=_RANKS[ranks_id], special_tokens={}
+    )
+
+
+_RANKS: dict[int, dict[bytes, int]] = {}
+
+
+def _core(pattern: str, ranks: dict[bytes, int]) -> Any:
+    _RANKS[id(ranks)] = ranks
+    return _core_cached(pattern, id(ranks))
+
+
+def test_a_qwen2_style_split_tokenizer_encodes_identically(tmp_path: Path, with_native: Any) -> None:
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(fast_bpe.QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    path = _train(tmp_path, pre, None, "qwen2ish")
+    fast = _agree_everywhere(path, [*PROBE_TEXTS, *_random_texts(200, seed=13)])
+    assert fast._native is not None
+
+
+def test_a_text_the_c_encoder_refuses_goes_to_tiktoken(tiny_llama: Path, with_native: Any) -> None:
+    fast, _ = FastBPE.from_tokenizer_json(tiny_llama / "tokenizer.json")
+    assert fast is not None
+    hf = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    text = "new \U000323b0 code point, past Python 3.11's Unicode 14"  # assigned in Unicode 15
+    with pytest.raises(ValueError):
+        fast._native.encode(text)
+    assert fast.encode(text)[0] == hf.encode(text, add_special_tokens=False).ids
+    lone = "a lone \ud800 surrogate"
+    with pytest.raises(ValueError):
+        fast._native.encode(lone)
+    assert fast.encode(lone)[0] == fast._core.encode_ordinary(lone)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300),
+    parent=st.binary(min_size=0, max_size=300),
+    salt=st.one_of(st.none(), st.text(max_size=40)),
+    cut=st.tuples(st.integers(0, 300), st.integers(0, 300)),
+)
+def test_cbor_block_is_cbor2s_canonical_encoding(
+    native: Any, tokens: list[int], parent: bytes, salt: str | None, cut: tuple[int, int]
+) -> None:
+    arr = array("i", tokens)
+    start, end = sorted(min(c, len(tokens)) for c in cut)
+    extra = (salt,) if salt is not None else None
+    want = cbor2.dumps((parent, tuple(tokens[start:end]), extra), canonical=True)
+    assert native.cbor_block(parent, arr, start, end, cbor2.dumps(extra, canonical=True)) == want
+
+
+def test_without_the_c_module_the_answers_are_the_same(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, with_native: Any
+) -> None:
+    """The fallback when the extension is not built: tiktoken's core and cbor2."""
+    from gateway.analysis import tokenize
+
+    bodies = [
+        {"messages": [{"role": "user", "content": "x" * n + " déjà vu 1234 's"}], "cache_salt": s}
+        for n, s in ((10, None), (700, "t"), (3000, None))
+    ]
+    with_c = ChatTokenizer(tiny_llama, 16, "0")
+    assert with_c.fast is not None and with_c.fast._native is not None
+    want = [with_c.prompt_info("chat", b) for b in bodies]
+    monkeypatch.setattr(fast_bpe, "_native", None)
+    monkeypatch.setattr(tokenize, "_native", None)
+    without = ChatTokenizer(tiny_llama, 16, "0")
+    assert without.fast is not None and without.fast._native is None
+    for b, w in zip(bodies, want, strict=True):
+        got = without.prompt_info("chat", b)
+        assert (list(got.tokens), got.hashes) == (list(w.tokens), w.hashes)

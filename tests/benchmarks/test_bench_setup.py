@@ -1,5 +1,5 @@
 """`make bench` installs what the benchmarks need before running them: scripts/bench-setup.sh puts
-wrk on PATH and vllm-router, at the version docs/benchmarks_overhead.md measured, where
+wrk on PATH and vllm-router, at the version docs/benchmarks.md measured, where
 benchmarks/overhead.py looks for it (.bench-venv)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_bench_setup_installs_wrk_and_the_vllm_router_the_overhead_benchmark_fin
     assert re.search(r"apt-get install .*\bwrk\b", script)
     version = re.search(r"^VLLM_ROUTER_VERSION=(\S+)$", script, re.M)
     assert version is not None
-    assert f"vllm-router=={version.group(1)}" in (REPO / "docs" / "benchmarks_overhead.md").read_text()
+    assert f"vllm-router {version.group(1)}" in (REPO / "docs" / "benchmarks.md").read_text()
     assert (
         '"vllm-router==$VLLM_ROUTER_VERSION"' in script and ".bench-venv/bin/python -m pip install" in script
     )

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.plan import (
+from gateway.local.layout import DEFAULT, RECORD
+from gateway.sim.metrics import RunMetrics
+from gateway.sim.plan import (
     FINGERPRINT_ARGV,
     RECORD_ARGV,
     Layout,
@@ -27,11 +29,9 @@ from benchmarks.plan import (
     recommend,
     sweep,
 )
-from benchmarks.sim.metrics import RunMetrics
-from gateway.local.layout import DEFAULT, RECORD
 
 RECORD_COMMAND = (
-    "python -m benchmarks.plan " + " ".join(RECORD_ARGV) + f" --record benchmarks/plans/{RECORD.name}"
+    "python -m gateway.sim.plan " + " ".join(RECORD_ARGV) + f" --record benchmarks/plans/{RECORD.name}"
 )
 
 

@@ -1,12 +1,12 @@
-"""The routing-independent floors (benchmarks/sim/floors.py) follow the simulator's engine model."""
+"""The routing-independent floors (gateway/sim/floors.py) follow the simulator's engine model."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.sim.calibration import ENGINES
-from benchmarks.sim.floors import decode_floor_tok_s, floors, ttft_floor_ms
-from benchmarks.sim.traces import synth_agentx
+from gateway.sim.calibration import ENGINES
+from gateway.sim.floors import decode_floor_tok_s, floors, ttft_floor_ms
+from gateway.sim.traces import synth_agentx
 
 
 @pytest.mark.parametrize("name", ["dynamo-mocker", "h200-qwen3-32b-fp8-aic"])

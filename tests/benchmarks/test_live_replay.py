@@ -24,8 +24,8 @@ from benchmarks.live_replay import (
     run_live,
     summarize_live,
 )
-from benchmarks.sim.scale import to_weka
-from benchmarks.sim.traces import Play
+from gateway.sim.scale import to_weka
+from gateway.sim.traces import Play
 from tests.conftest import ServedGateway, wait_ready
 
 MODEL = "tiny-llama"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.plan import Layout, config_text, layouts, recommend
-from benchmarks.sim.metrics import RunMetrics
 from gateway.cli import main
 from gateway.config import load_config
 from gateway.core.types import PoolRole
+from gateway.sim.metrics import RunMetrics
+from gateway.sim.plan import Layout, config_text, layouts, recommend
 
 
 def metrics(ttft_p90: float, inter: float, tpgs: float) -> RunMetrics:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim.cluster import SimConfig, simulate
-from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, Seq
-from benchmarks.sim.metrics import summarize
-from benchmarks.sim.scale import scale_plays
-from benchmarks.sim.traces import ideal_hit_rate, load_weka, synth_agentx, trace_stats
+from gateway.sim.cluster import SimConfig, simulate
+from gateway.sim.engine import DYNAMO_MOCKER, Engine, Seq
+from gateway.sim.metrics import summarize
+from gateway.sim.scale import scale_plays
+from gateway.sim.traces import ideal_hit_rate, load_weka, synth_agentx, trace_stats
 
 REPO = Path(__file__).resolve().parents[2]
 WEKA = REPO / "tests/data/traces/weka"  # 3 of the 48 Weka sessions, vendored (README.md there)
@@ -165,7 +165,7 @@ def test_dynamo_driver_reports_a_missing_interpreter(tmp_path):
 
 def _two_turn_play(first_tokens=64 * 40, gap_s=30.0):
     """One session: a large first turn, then a small follow-up after ``gap_s``."""
-    from benchmarks.sim.traces import Dep, Play, TraceRequest
+    from gateway.sim.traces import Dep, Play, TraceRequest
 
     h1 = list(range(1000, 1000 + first_tokens // 64))
     h2 = h1 + [5000, 5001]
@@ -177,8 +177,8 @@ def _two_turn_play(first_tokens=64 * 40, gap_s=30.0):
 
 
 def _planner_sim(plays, planner, **kw):
-    from benchmarks.sim.tiers import TiersConfig
     from gateway.core.router import RoutingParams
+    from gateway.sim.tiers import TiersConfig
 
     cfg = SimConfig(
         workers=3,
@@ -193,7 +193,7 @@ def _planner_sim(plays, planner, **kw):
 
 
 def test_planner_moves_a_first_turn_session_to_the_warm_pool_before_its_next_turn():
-    from benchmarks.sim.migrations import SimMigrations
+    from gateway.sim.migrations import SimMigrations
 
     plays = _two_turn_play()
     mig = SimMigrations()
@@ -222,8 +222,8 @@ def test_without_planner_the_next_turn_stays_where_its_prefix_is():
 
 
 def test_a_next_turn_arriving_first_cancels_the_move():
-    from benchmarks.sim.migrations import SimMigrations
     from gateway.core.planner import PlannerParams
+    from gateway.sim.migrations import SimMigrations
 
     # the planner expects the copy to fit in the 10 ms gap (it assumes a fast link); the store is
     # slow, so the next turn arrives before the prefetch completes
@@ -236,7 +236,7 @@ def test_a_next_turn_arriving_first_cancels_the_move():
 
 
 def test_planner_runs_are_deterministic_and_engines_load_from_tiers():
-    from benchmarks.sim.migrations import SimMigrations
+    from gateway.sim.migrations import SimMigrations
 
     plays = _small(4, seed=2)
 
@@ -341,7 +341,7 @@ def test_cost_split_lets_idle_warm_engines_take_first_turns_the_wall_does_not():
 
 def test_compare_prints_copied_dynamo_figures_only_under_their_trace_and_engine():
     from benchmarks import compare
-    from benchmarks.sim.metrics import RunMetrics
+    from gateway.sim.metrics import RunMetrics
 
     row = RunMetrics("p", 1, 1.0, 2.0, 3.0, 0.9, 0.95, 0, 60.0, 100.0, 100.0, 1.0, 0, 0, 0)
     copied = compare.format_table([row], "8x16x1", None, anchors=True)
@@ -369,7 +369,7 @@ def test_capacity_at_the_slo_is_the_largest_lane_count_meeting_both_bounds():
 
 
 def test_synthetic_plays_are_seeded_and_round_trip_through_weka_json(tmp_path):
-    from benchmarks.sim.synth import main as synth_main
+    from gateway.sim.synth import main as synth_main
 
     a, again, other = synth_agentx(4, seed=1), synth_agentx(4, seed=1), synth_agentx(4, seed=2)
     assert [len(p.requests) for p in a] == [len(p.requests) for p in again]

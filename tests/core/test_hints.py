@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.core.hints import HintError, parse_hints
+from gateway.core.hints import AGENT_HINT_FIELDS, HEADER_NAMES, HintError, parse_hints, unknown_hints
 
 CASES: list[tuple[str, dict[str, str], dict[str, Any], dict[str, Any]]] = [
     (
@@ -529,3 +529,35 @@ def test_invalid_harness_ids_name_the_field(
     with pytest.raises(HintError) as err:
         parse_hints(headers, body)
     assert err.value.field == field
+
+
+# -- unknown fields of our own dialect -----------------------------------------------------------
+def test_unknown_agent_hints_fields_and_headers_are_named_with_the_nearest_known_one() -> None:
+    problems = unknown_hints(
+        {"x-agent-sesion-id": "s", "x-agent-session-id": "s", "x-agent-frobnicate": "1"},
+        {"agent_hints": {"sesion_end": True, "session_id": "s", "zzz": 1}},
+    )
+    assert [(p.field, str(p)) for p in problems] == [
+        (
+            "agent_hints.sesion_end",
+            "invalid hint 'agent_hints.sesion_end': unknown field; did you mean 'session_end'?",
+        ),
+        ("agent_hints.zzz", "invalid hint 'agent_hints.zzz': unknown field"),
+        (
+            "x-agent-sesion-id",
+            "invalid hint 'x-agent-sesion-id': unknown hint header; did you mean 'x-agent-session-id'?",
+        ),
+        ("x-agent-frobnicate", "invalid hint 'x-agent-frobnicate': unknown hint header"),
+    ]
+
+
+def test_other_dialects_objects_and_our_known_fields_pass() -> None:
+    body = {
+        "agent_hints": {k: None for k in AGENT_HINT_FIELDS},
+        "nvext": {"agent_hints": {"osl": 5, "something_new": 1}, "other": 2},
+        "metadata": {"user_id": "x", "anything": 1},
+        "vllm_xargs": {"agentic_context": {"new_field": 1}},
+        "client_metadata": {"whatever": 1},
+    }
+    headers = {h: "1" for h in HEADER_NAMES if h.startswith("x-agent-")} | {"x-agentgw-key": "k"}
+    assert unknown_hints(headers, body) == []

@@ -29,7 +29,7 @@ CTX = EngineCost(decode_ms=(10.0, 0.0, 0.0), decode_kv_ms_per_mtok=20.0, kv_capa
 BATCH = EngineCost(
     decode_ms=(10.0, 0.0, 0.0), decode_seq_ms=1.0, kv_capacity_tokens=1_000_000, decode_seq_tokens=100_000
 )
-#: benchmarks/sim/calibration.py's h200-qwen3-32b-fp8-aic decode fit, 10,240 blocks of 64 tokens
+#: gateway/sim/calibration.py's h200-qwen3-32b-fp8-aic decode fit, 10,240 blocks of 64 tokens
 H200_AIC = EngineCost(
     decode_ms=(20.78, 0.0, 0.0), decode_seq_ms=0.0846, decode_kv_ms_per_mtok=42.15, kv_capacity_tokens=655_360
 )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,3 +111,131 @@ def test_a_bare_bearer_is_refused(server: str, auth: bytes) -> None:
         while part := s.recv(65536):
             answer += part
     assert answer.startswith(b"HTTP/1.1 401") or answer.startswith(b"HTTP/1.0 401"), answer[:80]
+
+
+# -- the server's bounds (hostile probing: a thread per socket, tracebacks, endless bodies) -------
+@pytest.fixture
+def tight() -> Iterator[ControlServer]:
+    srv = ControlServer(
+        ControlService(FakePolicy(), lambda: {"host": {}, "tiers": {}}),
+        "127.0.0.1",
+        0,
+        TOKEN,
+        max_inflight=2,
+        max_connections=16,
+        header_timeout_s=1.0,
+        body_timeout_s=1.0,
+        keep_alive_s=1.0,
+        max_body_bytes=4096,
+    )
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def raw_call(port: int, data: bytes) -> tuple[int, dict[str, Any]]:
+    """Send ``data``, read until the server closes; the status and the JSON error."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        answer = b""
+        while part := s.recv(65536):
+            answer += part
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+AUTH = f"Authorization: Bearer {TOKEN}\r\n".encode()
+
+
+def test_idle_sockets_hold_no_thread_and_are_cut(tight: ControlServer) -> None:
+    """1,000 idle sockets gave 1,002 threads (9 GB virtual) inside the engine: one thread per
+    unauthenticated socket, with no timeout. Now a fixed set of threads, a connection cap (503
+    past it) and a header timeout (408)."""
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", tight.port), timeout=30) for _ in range(200)]
+    try:
+        assert threading.active_count() <= before + 2  # no thread per socket
+        for s in idle:  # each gets its answer (503 past the cap, else 408), then the server closes
+            answer = b""
+            while part := s.recv(65536):
+                answer += part
+            assert answer.split()[1] in (b"503", b"408"), answer[:60]
+    finally:
+        for s in idle:
+            s.close()
+    assert tight.refused.get(503, 0) + tight.refused.get(408, 0) == 200
+    assert tight.refused.get(503, 0) > 0 and tight.peak_connections == 16
+    assert threading.active_count() <= before + 2
+    r = call(f"http://127.0.0.1:{tight.port}", "GET", "/v1/kv/stats")  # the gateway's own call
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: abc\r\n\r\n", 400),
+        (b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: -1\r\n\r\n", 400),
+        (
+            b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n"
+            + AUTH
+            + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            400,
+        ),
+        (b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 99999\r\n\r\n", 413),
+        (b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: chunked\r\n\r\n", 501),
+        (b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 401),  # auth first
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET /v1/kv/stats HTTP/1.1\r\nx-a: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+        (b"PUT /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n", 405),
+    ],
+)
+def test_bad_heads_get_an_error_not_a_traceback(tight: ControlServer, head: bytes, status: int) -> None:
+    """``Content-Length: abc`` dropped the connection with a traceback; ``-1`` read forever."""
+    got, body = raw_call(tight.port, head)
+    assert got == status and body["error"]["code"] == status
+
+
+def test_endless_bodies_are_cut_and_never_hold_the_operation_slots(tight: ControlServer) -> None:
+    """Eight requests with endless bodies took every slot: the gateway's own calls got 429."""
+    slow = []
+    for _ in range(6):  # more than max_inflight
+        s = socket.create_connection(("127.0.0.1", tight.port), timeout=30)
+        s.sendall(b"POST /v1/kv/pin HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 4000\r\n\r\n{")
+        slow.append(s)
+    try:
+        for _ in range(100):
+            if tight.connections >= 6:
+                break
+            time.sleep(0.02)
+        r = call(f"http://127.0.0.1:{tight.port}", "POST", "/v1/kv/pin", session_id="s", ttl_s=5)
+        assert r.status_code == 200, r.text  # the slots are free while the bodies trickle
+        for s in slow:
+            answer = b""
+            while part := s.recv(65536):
+                answer += part
+            assert answer.split()[1] == b"408", answer[:60]
+    finally:
+        for s in slow:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/kv/pin", {"session_id": "s", "ttl_s": 1e308}),
+        ("/v1/kv/pin", {"session_id": "s", "ttl_s": True}),
+        ("/v1/kv/pin", {"session_id": "s", "ttl_s": 8 * 24 * 3600}),
+        ("/v1/kv/pin", {"session_id": "", "ttl_s": 5}),
+        ("/v1/kv/pin", {"session_id": "x" * 2000, "ttl_s": 5}),
+        ("/v1/kv/prefetch", {"token_ids": [1, 2], "session_id": "s", "pin_ttl_s": 1e308}),
+        ("/v1/kv/prefetch", {"token_ids": [1, 2**40]}),
+        ("/v1/kv/prefetch", {"token_ids": [1, True]}),
+    ],
+)
+def test_numbers_and_ids_are_validated(server: str, path: str, body: dict[str, Any]) -> None:
+    """The control API accepted ``ttl_s`` 1e308 (a pin for good)."""
+    r = call(server, "POST", path, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == 400

@@ -52,6 +52,7 @@ def cluster(state: dict[str, bool]) -> Cluster:
 async def test_eject_after_failures_and_readmit_after_successes(
     cluster: Cluster, state: dict[str, bool]
 ) -> None:
+    await cluster.probe_once()  # both up: admitted
     state["a"] = False
     await cluster.probe_once()
     assert cluster.engines["a"].healthy  # one failure is not enough
@@ -114,8 +115,10 @@ def _route(cluster: Cluster) -> str:
 
 
 async def test_panic_keeps_a_pool_of_live_but_slow_engines_in_service() -> None:
-    state = {"a": "slow", "b": "slow"}
+    state = {"a": "ok", "b": "ok"}
     cluster = _panic_cluster(state)
+    await cluster.probe_once()  # both up once: admitted
+    state["a"] = state["b"] = "slow"
     for _ in range(2):
         await cluster.probe_once()
     assert not cluster.engines["a"].healthy and not cluster.engines["b"].healthy  # both ejected
@@ -134,9 +137,11 @@ async def test_panic_keeps_a_pool_of_live_but_slow_engines_in_service() -> None:
 
 
 async def test_panic_threshold_as_a_fraction_of_the_pool() -> None:
-    state = {"a": "slow", "b": "ok"}
-    strict, lenient = _panic_cluster(dict(state)), _panic_cluster(dict(state), threshold=0.5)
-    for c in (strict, lenient):
+    states = [{"a": "ok", "b": "ok"}, {"a": "ok", "b": "ok"}]
+    strict, lenient = _panic_cluster(states[0]), _panic_cluster(states[1], threshold=0.5)
+    for c, state in zip((strict, lenient), states, strict=True):
+        await c.probe_once()  # both up once
+        state["a"] = "slow"
         for _ in range(2):
             await c.probe_once()
     assert strict.panicking() == {"p": False} and [v.name for v in strict.views() if v.healthy] == ["b"]
@@ -149,3 +154,45 @@ async def test_passive_connect_failure_marks_the_engine_refused() -> None:
     cluster.record_connect_failure("b")
     assert cluster.panicking() == {"p": True}
     assert not any(v.healthy for v in cluster.views())  # nothing listens: no panic routing to them
+
+
+async def test_an_engine_that_never_answered_is_starting_and_out_of_routing(
+    cluster: Cluster, state: dict[str, bool]
+) -> None:
+    """A gateway started before its engines: the first refused probe takes an engine out (no
+    second probe needed, nothing to eject), ``waiting`` says why, and its first answer admits it
+    (``readmit_after_successes`` is 2 here: that is for an engine that was up and failed)."""
+    state["a"] = state["b"] = False
+    await cluster.probe_once()
+    assert cluster.ready() == {"p": False}
+    assert cluster.waiting() == {"a": "starting", "b": "starting"}
+    assert cluster.starting() == ["a", "b"]
+    assert not any(v.healthy for v in cluster.views())  # refused: out even though the pool panics
+    state["a"] = True
+    await cluster.probe_once()
+    assert cluster.ready() == {"p": True} and cluster.waiting() == {"b": "starting"}
+    assert [v.name for v in cluster.views() if v.healthy] == ["a"] and cluster.starting() == ["b"]
+    state["a"] = False  # up once, then down: the usual ejection after eject_after_failures
+    await cluster.probe_once()
+    assert cluster.engines["a"].healthy
+    await cluster.probe_once()
+    assert cluster.waiting() == {"a": "refusing connections", "b": "starting"}
+
+
+async def test_a_starting_engine_that_accepts_but_does_not_answer_stays_out_even_in_panic() -> None:
+    """vLLM binds its port before its engine is built: a starting engine's probe times out
+    instead of being refused. A panicking pool serves live-but-slow engines, not ones that never
+    answered."""
+    state = {"a": "slow", "b": "slow"}
+    cluster = _panic_cluster(state)
+    await cluster.probe_once()
+    assert cluster.panicking() == {"p": True}
+    assert not any(v.healthy for v in cluster.views()) and not cluster.routable("a")
+    assert cluster.waiting() == {"a": "starting", "b": "starting"}
+    state["a"] = "ok"
+    await cluster.probe_once()
+    state["a"] = "slow"  # up once, then slow: the panic serves it again
+    for _ in range(2):
+        await cluster.probe_once()
+    assert cluster.panicking() == {"p": True}
+    assert cluster.routable("a") and not cluster.routable("b")

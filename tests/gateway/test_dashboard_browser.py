@@ -33,7 +33,7 @@ WAIT_S = 60  # an upper bound for the page to show what it was sent, not a speed
 def browser() -> Iterator[webdriver.Chrome]:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver is None:
-        pytest.fail("chromium / chromium-driver are not installed (./scripts/setup.sh installs them)")
+        pytest.fail("chromium / chromium-driver are not installed (./scripts/setup.sh --test installs them)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):

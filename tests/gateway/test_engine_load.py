@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import orjson
 
-from benchmarks.sim.cluster import MODEL, SimConfig, simulate
-from benchmarks.sim.traces import Play, TraceRequest
 from gateway.core.router import RoutingParams
 from gateway.core.turn import approx_hashes
 from gateway.core.types import EngineView, PoolRole
-from gateway.protocol import parse_body
 from gateway.service.prompts import prompt_text
+from gateway.sim.cluster import MODEL, SimConfig, simulate
+from gateway.sim.traces import Play, TraceRequest
+from gateway.wire.openai import parse_body
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
 CHUNK = 512

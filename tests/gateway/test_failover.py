@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.local.engines import LocalEngine, free_ports, start_engines
-from tests.conftest import MODEL, ServedGateway, engine_specs, wait_ready
+from tests.conftest import MODEL, ServedGateway, engine_specs, fake_engine, wait_ready
 
 pytestmark = pytest.mark.engine
 
@@ -19,6 +20,24 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 def dead_url() -> str:
     return f"http://127.0.0.1:{free_ports(1)[0]}"
+
+
+@contextlib.contextmanager
+def died_after_start(cfg: dict, names: set[str]) -> Iterator[ServedGateway]:
+    """A gateway whose engines ``names`` were up when it started (a stand-in engine process each,
+    which its first probe sees) and then died: they stay admitted until probes say otherwise.
+    (An engine that never answered is *starting* and kept out of routing from the first probe.)"""
+    with contextlib.ExitStack() as procs:
+        for pool in cfg["pools"]:
+            for e in pool["engines"]:
+                if e["name"] in names:
+                    e["url"] = procs.enter_context(fake_engine())
+        gw = ServedGateway(cfg).__enter__()
+        procs.close()  # they die: nothing listens on their ports any more
+    try:
+        yield gw
+    finally:
+        gw.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +67,7 @@ def one_pool(engines: list[tuple[str, str]], **kw: object) -> dict:
 def test_connection_failure_retries_on_another_engine(pair: list[LocalEngine]) -> None:
     cfg = one_pool([("dead", dead_url()), ("live", pair[0].url)], routing={"profile": "round_robin"})
     cfg["timeouts"]["health_interval_s"] = 60  # the dead engine stays admitted: the proxy must cope
-    with ServedGateway(cfg) as gw:
+    with died_after_start(cfg, {"dead"}) as gw:
         reasons = set()
         for _ in range(2):
             r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
@@ -65,7 +84,7 @@ def test_connection_failure_retries_on_another_engine(pair: list[LocalEngine]) -
 def test_all_engines_unreachable_is_502_then_503(pair: list[LocalEngine]) -> None:
     cfg = one_pool([("d1", dead_url()), ("d2", dead_url())])
     cfg["timeouts"]["health_interval_s"] = 60
-    with ServedGateway(cfg) as gw:
+    with died_after_start(cfg, {"d1", "d2"}) as gw:
         r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30)
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_connect_error"

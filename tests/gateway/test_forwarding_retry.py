@@ -95,7 +95,7 @@ async def test_a_retry_that_finds_its_fallback_killed_goes_on_to_a_live_engine()
                 relay = await fwd.open(_decision("a", "b", "c"), "/v1/chat/completions", b"{}", [])
                 assert relay.engine == "c" and relay.retried and relay.status == 200
                 await relay.read()
-                relay.close()
+                await relay.aclose()
                 relay.finished()
                 assert hits == [1]
                 assert _errors(metrics, "a") == 1 and _errors(metrics, "b") == 1

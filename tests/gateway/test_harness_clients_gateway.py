@@ -30,7 +30,7 @@ from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.engines import HASH_SEED, LocalEngine
 from gateway.local.harness import claude_argv, claude_env, codex_argv, codex_env, harness_clients
-from gateway.protocol import ParsedRequest
+from gateway.wire.openai import ParsedRequest
 from tests.conftest import MODEL, ServedGateway, engine_metric
 
 pytestmark = pytest.mark.engine

@@ -136,7 +136,10 @@ def test_idle_keep_alive_connection_is_closed(gw: ServedGateway) -> None:
 
 
 def test_connection_cap(engine_url: str) -> None:
-    with ServedGateway(base(engine_url, server={"max_connections": 4, "keep_alive_s": 60})) as g:
+    """Past the cap, a small reserve answers liveness and readiness probes only (a socket flood
+    failed /health before); past the reserve, a 503 at once."""
+    cfg = base(engine_url, server={"max_connections": 4, "keep_alive_s": 60, "probe_reserve": 2})
+    with ServedGateway(cfg) as g:
         wait_ready(g.url)
         held = []
         try:
@@ -144,6 +147,14 @@ def test_connection_cap(engine_url: str) -> None:
                 s = socket.create_connection(addr(g), timeout=30)
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert s.recv(65536).startswith(b"HTTP/1.1 200")
+                held.append(s)
+            for probe in (b"/health", b"/ready"):  # the reserve: answered, then closed
+                raw = exchange(g, b"GET " + probe + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert raw.startswith(b"HTTP/1.1 200") and b"connection: close" in raw.lower(), raw[:200]
+            status, err = status_and_error(exchange(g, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"))
+            assert (status, err["code"]) == (503, "too_many_connections")  # only probes there
+            for _ in range(2):  # the reserve taken by idle sockets
+                s = socket.create_connection(addr(g), timeout=30)
                 held.append(s)
             status, err = status_and_error(exchange(g, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
             assert (status, err["code"]) == (503, "too_many_connections")
@@ -224,8 +235,17 @@ def test_reshape_upstream_error_bodies() -> None:
         assert set(err) == {"message", "type", "param", "code"}
         return err
 
-    openai = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "param": None, "code": 400}})
-    assert reshape_upstream_error(400, openai) == openai
+    # vLLM's OpenAI-like shape, its exception class as the type and the status as the code: the
+    # gateway's type and a string code, the message kept
+    vllm = orjson.dumps({"error": {"message": "m", "type": "BadRequestError", "param": None, "code": 400}})
+    assert shaped(400, vllm) == {
+        "message": "m",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    own = {"message": "too long", "type": "invalid_request_error", "param": "input", "code": "too_long"}
+    assert shaped(400, orjson.dumps({"error": own})) == own
     err = shaped(400, b'{"detail": "max_tokens must be at least 1"}')
     assert (err["message"], err["type"], err["code"]) == (
         "max_tokens must be at least 1",

@@ -9,8 +9,9 @@
 - A small run of ``benchmarks/hostile.py`` (`agentgw serve` subprocess, stand-in engine): idle
   sockets get their 408, idle keep-alive connections are closed, slowloris headers and bodies get
   408, 1 MiB headers a 431 (or a reset), half-sent bodies past the budget a 503 at once (at most
-  the budget's worth are held to the body timeout), sockets past the
-  connection cap a 503 ``too_many_connections``; ``/health`` on a kept connection answered during
+  the budget's worth are held to the body timeout), bodies announced and not sent hold nothing
+  (the other requests are served), sockets past the connection cap and its probe reserve a 503
+  ``too_many_connections``; ``/health`` on a kept connection answered during
   every phase, normal requests answered before and after, the gateway's RSS after the attack near
   the quiet gateway's. Counters and events only, never durations."""
 
@@ -134,8 +135,8 @@ def test_small_hostile_run_keeps_the_gateway_answering_with_bounded_memory(tmp_p
     out = tmp_path / "hostile.json"
     argv = [sys.executable, "-m", "benchmarks.hostile", "--json", str(out)]
     argv += ["--idle", "100", "--slowloris", "20", "--oversize", "10"]
-    argv += ["--half-bodies", "8", "--body-mib", "2", "--body-budget-mib", "6"]
-    argv += ["--max-connections", "128", "--flood-extra", "20"]
+    argv += ["--half-bodies", "8", "--body-mib", "2", "--body-budget-mib", "6", "--announced", "16"]
+    argv += ["--max-connections", "128", "--flood-extra", "20", "--probe-reserve", "4"]
     argv += ["--header-timeout", "3", "--body-timeout", "3", "--keep-alive", "3", "--quiet-s", "2"]
     r = subprocess.run(
         argv,
@@ -162,8 +163,12 @@ def test_small_hostile_run_keeps_the_gateway_answering_with_bounded_memory(tmp_p
     half = rows["half-bodies"]["outcomes"]
     assert sum(half.values()) == 8 and half.get("408", 0) <= 3, half
     assert half.get("503", 0) + half.get("closed", 0) >= 5, half
-    flood = rows["flood"]["outcomes"]
-    assert flood.get("503", 0) >= 20 and "open" not in flood, flood
+    # 16 bodies announcing 2 MiB each (32 MiB, past the 6 MiB budget) and sending one byte hold
+    # 16 bytes: each waits for its body timeout, and the phase's normal requests are all served
+    assert rows["announced"]["outcomes"] == {"408": 16}, rows["announced"]
+    assert set(rows["announced"]["chat"]) == {"200"}, rows["announced"]
+    flood = rows["flood"]["outcomes"]  # past the cap, 4 are the probes' reserve (their 408)
+    assert flood.get("503", 0) >= 16 and "open" not in flood, flood
     for p in rep["phases"]:
         assert p["health_kept"].get("200", 0) >= 1 and set(p["health_kept"]) == {"200"}, p
     assert rep["violations"] == [] and r.returncode == 0, r.stdout

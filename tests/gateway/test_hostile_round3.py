@@ -6,8 +6,10 @@ engine."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -410,3 +412,205 @@ def test_header_bytes_are_limited_when_the_whole_head_arrives_at_once(gw: Served
     fine = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 500) for i in range(30))  # 15 KB
     got, _, _ = exchange(gw, b"GET /health HTTP/1.1\r\nHost: x\r\n" + fine + b"\r\n")
     assert got == 200
+
+
+# -- stored responses and sessions: each tenant's own ---------------------------------------------
+RESP = "sk-response-4"
+
+
+@pytest.fixture(scope="module")
+def quota_gw(engine_url: str) -> Iterator[ServedGateway]:
+    cfg = config(engine_url, sessions={"capacity": 30})
+    cfg["auth"]["tenants"] = [
+        {"name": "acme", "key_sha256": [key_digest(ACME)], "max_sessions": 10},
+        {"name": "beta", "key_sha256": [key_digest(BETA)], "max_sessions": 10},
+        {"name": "response", "key_sha256": [key_digest(RESP)], "max_sessions": 10},
+    ]
+    with ServedGateway(cfg) as g:
+        wait_ready(g.url)
+        yield g
+
+
+def respond(g: ServedGateway, key: str, **kw: Any) -> httpx.Response:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **kw}
+    return httpx.post(g.url + "/v1/responses", json=body, headers=hdr(key), timeout=30)
+
+
+def test_one_tenants_stored_responses_never_evict_anothers(quota_gw: ServedGateway) -> None:
+    """Response-owner records sat outside every tenant's quota: acme's stored responses evicted
+    beta's, whose ``previous_response_id`` then got a 400."""
+    r = respond(quota_gw, BETA)
+    assert r.status_code == 200, r.text
+    beta_id = r.json()["id"]
+    for _ in range(40):
+        assert respond(quota_gw, ACME).status_code == 200
+    r = respond(quota_gw, BETA, previous_response_id=beta_id)
+    assert r.status_code == 200, r.text
+
+
+def test_a_tenant_named_response_cannot_reach_other_tenants_response_routing(quota_gw: ServedGateway) -> None:
+    """Owner records were keyed ``response:<tenant>:<id>``: the session ``<tenant>:<id>`` of a
+    tenant named ``response`` was the same key, so it could read and delete them."""
+    r = respond(quota_gw, ACME)
+    acme_id = r.json()["id"]
+    with httpx.Client(base_url=quota_gw.url, headers=hdr(RESP), timeout=30) as c:
+        assert c.get(f"/v1/agent/sessions/acme:{acme_id}").status_code == 404
+        assert c.delete(f"/v1/agent/sessions/acme:{acme_id}").status_code == 404
+    assert respond(quota_gw, ACME, previous_response_id=acme_id).status_code == 200
+    # the dashboard lists sessions, not the stored responses' engines
+    state = httpx.get(quota_gw.url + "/dashboard/state", headers=hdr(ADMIN), timeout=30).json()
+    assert not any(acme_id in str(s) for s in state["sessions"]["items"]), state["sessions"]
+
+
+def test_errors_name_the_callers_ids_not_the_gateways(quota_gw: ServedGateway) -> None:
+    r = respond(quota_gw, BETA, previous_response_id="resp_nothere")
+    assert r.status_code in (400, 404), r.text
+    assert "'resp_nothere'" in r.text and "beta:" not in r.text
+
+
+def test_the_session_api_namespaces_a_parent_hint(quota_gw: ServedGateway) -> None:
+    """``parent_session_id`` from the session API was stored as sent: a tenant could name another
+    tenant's session (its stored id) as its parent."""
+    with httpx.Client(base_url=quota_gw.url, timeout=30) as c:
+        r = c.post(
+            "/v1/agent/sessions/kid/hints", json={"parent_session_id": "beta:theirs"}, headers=hdr(ACME)
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["parent_session_id"] == "beta:theirs"  # acme's own id of that name
+        stored = c.get("/v1/agent/sessions/acme:kid", headers=hdr(ADMIN)).json()
+        assert stored["parent_session_id"] == "acme:beta:theirs"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/v1/responses/resp_1"),
+        ("GET", "/v1/responses/resp_1/input_items"),
+        ("GET", "/v1/responses/b@d"),
+        ("GET", "/v1/agent/sessions/" + "s" * 300),
+    ],
+)
+def test_response_routes_authenticate_first(quota_gw: ServedGateway, method: str, path: str) -> None:
+    r = httpx.request(method, quota_gw.url + path, timeout=30)
+    assert r.status_code == 401, r.text
+    r = httpx.request(method, quota_gw.url + path, headers=hdr(ACME), timeout=30)
+    assert r.status_code in (400, 501), r.text
+
+
+# -- what reaches an engine ------------------------------------------------------------------------
+class Recorder:
+    """A stand-in engine on a loopback socket that records what each generation request carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def _send(self, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(b'{"object": "list", "data": []}' if self.path == "/v1/models" else b"")
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+                recorder.seen.append(({k.lower(): v for k, v in self.headers.items()}, orjson.loads(raw)))
+                self._send(
+                    orjson.dumps(
+                        {"id": "chatcmpl-1", "object": "chat.completion", "model": MODEL, "choices": []}
+                    )
+                )
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_engine_steering_fields_and_foreign_headers_never_reach_an_engine(keys: bool) -> None:
+    """A client's own ``priority``, ``cache_salt``, ``kv_transfer_params`` (``remote_host``,
+    ``do_remote_prefill``: steering the engine's KV connector), ``vllm_xargs.kv_transfer_params``
+    and ``ec_transfer_params`` reached the engines, and so did hop-by-hop and credential headers
+    (``Connection``-nominated ones, ``Proxy-Authorization``, ``Cookie``)."""
+    rec = Recorder()
+    try:
+        cfg = config(rec.url)
+        if not keys:
+            del cfg["auth"]
+        with ServedGateway(cfg) as g:
+            wait_ready(g.url)
+            body = chat(
+                "hi",
+                priority=-100,
+                cache_salt="someone-elses",
+                kv_transfer_params={"remote_host": "10.0.0.9", "do_remote_prefill": True, "agentgw": {}},
+                ec_transfer_params={"x": 1},
+                vllm_xargs={"kv_transfer_params": {"remote_host": "10.0.0.9"}, "keep": 1},
+            )
+            headers = {
+                "connection": "keep-alive, x-secret-hop",
+                "x-secret-hop": "1",
+                "proxy-authorization": "Basic c2VjcmV0",
+                "cookie": "session=secret",
+                "x-data-parallel-rank": "3",
+                "x-request-id": "req-42",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                **(hdr(ACME) if keys else {}),
+            }
+            r = httpx.post(g.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        rec.close()
+    ((sent_headers, sent),) = rec.seen
+    assert "priority" not in sent and "ec_transfer_params" not in sent and "kv_transfer_params" not in sent
+    assert sent["vllm_xargs"] == {"keep": 1}
+    if keys:
+        assert sent["cache_salt"] == g.service.tenants.tenants["acme"].cache_salt
+    else:
+        assert "cache_salt" not in sent
+    for name in ("x-secret-hop", "proxy-authorization", "cookie", "authorization", "x-data-parallel-rank"):
+        assert name not in sent_headers, name
+    assert sent_headers["x-request-id"] == "req-42" and sent_headers["traceparent"].startswith("00-")
+
+
+def test_utf8_hint_headers_are_read_as_utf8(gw: ServedGateway) -> None:
+    """A UTF-8 session id in a hint header was read byte by byte (latin-1) and refused as
+    "not printable"."""
+    sid = "sessión-ü"
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=chat("hi"),
+        headers=[(b"authorization", f"Bearer {ACME}".encode()), (b"x-session-id", sid.encode())],
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert dict(r.headers.raw)[b"x-agentgw-session"].decode() == sid
+
+
+def test_no_unauthenticated_api_docs_and_the_dashboard_sends_security_headers(gw: ServedGateway) -> None:
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for path in ("/docs", "/redoc", "/openapi.json"):  # served without a key before
+            assert c.get(path).status_code == 404, path
+        for path, key in (
+            ("/dashboard", None),
+            ("/dashboard/static/dashboard.js", None),
+            ("/dashboard/state", ADMIN),
+        ):
+            r = c.get(path, headers=hdr(key) if key else {})
+            assert r.status_code == 200, path
+            csp = r.headers["content-security-policy"]
+            assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+            assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"

@@ -29,7 +29,7 @@ class RedisProcess:
     def __init__(self) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.fail("redis-server is not installed (./scripts/setup.sh installs it)")
+            pytest.fail("redis-server is not installed (./scripts/setup.sh --test installs it)")
         self.exe = exe
         self.port = free_ports(1)[0]
         self.url = f"redis://127.0.0.1:{self.port}/0"

@@ -90,7 +90,8 @@ def test_command_enables_prefix_caching_cbor_hashes_and_kv_events(tmp_path: Path
     assert kv == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{s.kv_events_port}",  # loopback, not every interface
+        # loopback, not every interface, in the form vLLM binds (it connects to tcp://127.0.0.1:P)
+        "endpoint": f"tcp://[::ffff:127.0.0.1]:{s.kv_events_port}",
         "topic": "kv-events",
     }
     assert cmd[-2:] == ["--seed", "1"]

@@ -40,3 +40,29 @@ def test_a_bad_messages_request_renders_naming_the_field() -> None:
     assert "messages[0].content" in body["error"]["message"]
     # the OpenAI shape is unchanged
     assert orjson.loads(err.value.body())["error"]["param"] == "messages[0].content"
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "kv", "ok"),
+    [("4096", None, True), ("1024", None, False), (2048.0, None, True), ("4096", [1], True)],
+)
+def test_thinking_budget_is_compared_with_the_parsed_max_tokens(
+    max_tokens: object, kv: object, ok: bool
+) -> None:
+    """``max_tokens`` as a numeric string (lax ints, as vLLM's pydantic reads them) with thinking
+    enabled was compared as a string: ``int >= str``, a 500."""
+    body: dict[str, object] = {
+        "model": "m",
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    if ok and kv is None:
+        parse_messages(body)
+        return
+    with pytest.raises(ApiError) as err:
+        parse_messages(body)
+    assert err.value.status == 400
+    assert err.value.param == ("kv_transfer_params" if kv is not None else "thinking.budget_tokens")

@@ -1,16 +1,16 @@
 """Write seeded AgentX-shaped plays as Weka JSON, for the live replay (and aiperf, and the
 simulator's ``--trace weka``).
 
-    python -m benchmarks.sim.synth --n 96 --seed 1 --out /tmp/agentx-s1
-    python -m benchmarks.sim.synth --n 8 --seed 1 --out /tmp/agentx-s1-small --scale --max-context 4096
+    python -m gateway.sim.synth --n 96 --seed 1 --out /tmp/agentx-s1
+    python -m gateway.sim.synth --n 8 --seed 1 --out /tmp/agentx-s1-small --scale --max-context 4096
     python -m benchmarks.live_replay --url http://127.0.0.1:8000 --trace /tmp/agentx-s1-small ...
 
-The plays are :func:`benchmarks.sim.traces.synth_agentx`'s (deterministic in ``--seed``; the
+The plays are :func:`gateway.sim.traces.synth_agentx`'s (deterministic in ``--seed``; the
 ``benchmarks.compare --trace synth --seed S`` plays). One file per play, ``<play id>.json``.
 Unscaled files have ``hash_id_scope: global``: the plays' shared system prompt is the same
-hash ids in every file, and :func:`~benchmarks.sim.traces.load_weka` chains such files from one
+hash ids in every file, and :func:`~gateway.sim.traces.load_weka` chains such files from one
 namespace, so a folder reloads into the same plays (same tokens, gaps, dependencies and prefix
-sharing). ``--scale`` shrinks each play into a small context (:func:`benchmarks.sim.scale.
+sharing). ``--scale`` shrinks each play into a small context (:func:`gateway.sim.scale.
 scale_plays`, one factor per play) and writes ``local`` scope: a system prompt of a few
 thousand tokens scales below one block, so nothing is shared across plays there.
 """
@@ -23,15 +23,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.sim.scale import scale_plays
-from benchmarks.sim.traces import GLOBAL_SCOPE, Play, synth_agentx
+from gateway.sim.scale import scale_plays, weka_json
+from gateway.sim.traces import GLOBAL_SCOPE, Play, synth_agentx
 
 __all__ = ["write_plays"]
 
 
 def write_plays(plays: Sequence[Play], out: Path, scope: str) -> list[Path]:
-    from benchmarks.live_replay import weka_json
-
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for p in plays:
@@ -43,7 +41,7 @@ def write_plays(plays: Sequence[Play], out: Path, scope: str) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.sim.synth",
+        prog="python -m gateway.sim.synth",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,12 +1,14 @@
 """The discrete-event cluster simulator: plays -> gateway (the real router) -> modeled engines.
 
 Virtual time, one heap of events: a request *arrives* when its dependencies are met (see
-:mod:`benchmarks.sim.traces`), the gateway model routes it with the real
-:class:`gateway.core.router.Router` on a :class:`~gateway.core.types.Snapshot` built the way the
-server builds it (``gateway/service/gateway.py``): engine views with the gateway's in-flight
-counts, prefix matches from the core :class:`~gateway.core.prefix_index.PrefixIndex` fed by the
-engines' KV events (``precise``), or by the routing decisions themselves (``approx``, the SGLang
-router's view), and, with hints, the session table's home and the parent's matches.
+:mod:`gateway.sim.traces`) and is routed by the gateway's own routing core
+(:class:`gateway.core.routing.RoutingCore`, the object ``gateway/service/placement.py`` drives:
+the real :class:`~gateway.core.router.Router`, the prefix indexes, the homes, the in-flight
+subagents) with the same calls in the same order: ``on_arrival`` with the session's and the
+parent's records from the session table and the engines' views (the gateway's in-flight counts),
+``decide``, ``on_routed``, and ``on_finished`` when the request completes. The prefix index is fed
+by the engines' KV events (``precise``) or by the routing decisions themselves (``approx``, the
+SGLang router's view); with hints, the session table keeps each session's home and its parent.
 
 Replay modes: ``lanes=L`` (Dynamo's ``agentic_lanes``: L plays at a time, each lane starts its
 next play when the previous one has completed) or ``lanes=None`` (open loop: each play starts at
@@ -27,15 +29,15 @@ prefill backlog from the engine model; ``gateway`` gives what the live gateway k
 request is prefilling with its decision's uncached tokens from its dispatch to its first token,
 then decoding until it completes, and the scraped running count bounds decoding from below.
 
-KV tiers (``tiers``, :mod:`benchmarks.sim.tiers`): a host tier per engine and a shared store,
+KV tiers (``tiers``, :mod:`gateway.sim.tiers`): a host tier per engine and a shared store,
 written through; an engine loads a prefix it lacks on device from them instead of recomputing it,
 and their KV events (medium CPU / STORAGE) reach the prefix index.
 
 Planner hook: ``planner.after_turn(sim, record)`` is called after each completed request, where
-the gateway calls its planner (``GatewayService._settle``); ``planner.on_next_turn(...)`` after
+the gateway calls its planner (``Placement.after_turn``); ``planner.on_next_turn(...)`` after
 each session request is routed (``MigrationExecutor.on_next_turn``); control requests
 (prefetches, negative ids) submitted with :meth:`Simulator.submit_control` come back through
-``planner.on_control_done``. :class:`benchmarks.sim.migrations.SimMigrations` is the executor.
+``planner.on_control_done``. :class:`gateway.sim.migrations.SimMigrations` is the executor.
 """
 
 from __future__ import annotations
@@ -46,18 +48,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from benchmarks.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
-from benchmarks.sim.tiers import Tiers, TiersConfig
-from benchmarks.sim.traces import DISPATCH, Play, TraceRequest
-from gateway.core import turn as pipeline
 from gateway.core.hints import AgentHints
 from gateway.core.load import InflightLoad, Ticket, merge
-from gateway.core.prefix_index import PrefixIndex
 from gateway.core.roles import EngineLoad, RoleController, RoleParams
 from gateway.core.router import Router, RoutingParams
+from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionTable
-from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn, index_for
+from gateway.core.turn import Turn, index_for, restarts
 from gateway.core.types import Decision, EngineView, Medium, PoolRole
+from gateway.sim.engine import DYNAMO_MOCKER, Engine, EngineConfig, Seq
+from gateway.sim.tiers import Tiers, TiersConfig
+from gateway.sim.traces import DISPATCH, Play, TraceRequest
 
 __all__ = ["Planner", "RequestRecord", "SimConfig", "Simulator", "simulate"]
 
@@ -139,10 +140,9 @@ class _Inflight:
     state: _PlayState
     req: TraceRequest
     engine: int
-    turn: Turn
+    arrival: Arrival
     """As routed (its hints are empty when the gateway keeps no session record for it)."""
     decision: Decision
-    fan_out: int = 0
     ticket: Ticket | None = None
 
 
@@ -157,16 +157,13 @@ class Simulator:
         params = cfg.routing or RoutingParams(profile=cfg.profile)
         if params.profile != cfg.profile:
             params = RoutingParams(**{**_params_dict(params), "profile": cfg.profile})
-        self.router = Router(params)
-        self.index = PrefixIndex(cfg.index_capacity_blocks)
-        self.approx = PrefixIndex(cfg.engine.num_blocks)
-        self.indexes = {IndexKind.PRECISE: self.index, IndexKind.APPROX: self.approx}
+        self.core = RoutingCore(Router(params), cfg.index_capacity_blocks, cfg.engine.num_blocks)
+        self.index = self.core.index
         self.sessions = SessionTable(capacity=100_000, ttl_s=24 * 3600.0)
-        self.siblings = Siblings()
-        self.homes = HomeLedger()
         # the trace's block hashes are exact; KV events feed the precise index only for the
         # profiles that read it (the others ignore prefix matches: skipping them saves time)
         self._kv_events = cfg.kv_events if cfg.kv_events is not None else cfg.profile in _NEEDS_PRECISE
+        self._index_kind = index_for(True, self._kv_events)
         on_kv = self._on_kv if self._kv_events else None
         names = [f"w{i}" for i in range(cfg.workers)]
         self.tiers = (
@@ -270,10 +267,12 @@ class Simulator:
     def views(self) -> tuple[EngineView, ...]:
         return self._views()
 
-    #: A session counts toward its home's load while it had activity this recently (virtual s).
     def _views(self) -> tuple[EngineView, ...]:
+        """The engines as the gateway sees them, with the live sessions' context homed on each."""
+        return self.core.views(self._engine_views(), self.now)
+
+    def _engine_views(self) -> tuple[EngineView, ...]:
         roles = self._roles
-        homed = self.homes.homed(self.now)
         load = self.load
         exact = load is None  # the engine model's own load fields, else the gateway's ledger
         views = []
@@ -290,7 +289,6 @@ class Simulator:
                 capacity_blocks=e.cfg.num_blocks,
                 decoding=e.decoding if exact else 0,
                 prefill_backlog_tokens=e.prefill_backlog_tokens() if exact else 0,
-                homed_tokens=homed.get(e.name, 0),
             )
             views.append(view if load is None else merge(view, load.of(e.name)))
         return tuple(views)
@@ -314,8 +312,8 @@ class Simulator:
             self._push(now + ctl.params.interval_s, _TICK, None)
 
     def _arrive(self, st: _PlayState, idx: int, now: float) -> None:
-        """Route a request with the gateway's turn pipeline (:mod:`gateway.core.turn`), as
-        ``gateway/service/placement.py`` does, then hand it to its engine."""
+        """Route a request through the routing core (:class:`gateway.core.routing.RoutingCore`),
+        as ``gateway/service/placement.py`` does, then hand it to its engine."""
         play, r = st.play, st.play.requests[idx]
         cfg = self.cfg
         use_ids = cfg.hints or cfg.profile == "session_hash"
@@ -329,43 +327,33 @@ class Simulator:
         )
         self._seq += 1
         turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)
-        index = self.indexes[index_for(True, self._kv_events)]
         rec = self.sessions.get(sid, now) if (cfg.hints and sid is not None) else None
-        if pipeline.restarts(rec, turn):
+        if restarts(rec, turn):
             self.session_restarts += 1
         parent = self.sessions.get(parent_id, now) if parent_id is not None else None
-        req, snap = pipeline.prepare(
-            turn,
-            rec,
-            parent,
-            index.match(r.hashes),
-            index.match(parent.prefix_hashes) if parent is not None else {},
-            self._views(),
-            self.siblings.view(parent_id),
-        )
-        d = self.router.route(req, snap)
+        core = self.core
+        a = core.on_arrival(turn, self._index_kind, rec, parent, self._engine_views(), now)
+        d = core.decide(a)
         ei = self._by_name[d.engine]
         if self.planner is not None and cfg.hints and sid is not None:
             self.planner.on_next_turn(self, sid, d, play.play_id, r.idx)
-        if index is self.approx:
-            self.approx.apply_stored(d.engine, r.hashes)
-        if cfg.hints and sid is not None:
-            self.sessions.put(pipeline.place(rec, d, turn, now))
-            self.homes.placed(sid, d.engine, now)
-            if parent_id is not None:
-                pipeline.adopt(parent, sid)
-                self.siblings.add(parent_id, d.engine)
-        else:
-            turn = replace(turn, hints=AgentHints())
+        if not cfg.hints:
+            # without hints a session id only keys ``session_hash``: no session record is kept
+            a = replace(a, turn=replace(turn, hints=AgentHints()))
+        self._write(core.on_routed(a, d, now), now)
         self._rid += 1
         rid = self._rid
         ticket = (
             self.load.sent(d.engine, d.uncached_tokens, r.input_tokens) if self.load is not None else None
         )
-        self._live[rid] = _Inflight(st, r, ei, turn, d, req.fan_out, ticket)
+        self._live[rid] = _Inflight(st, r, ei, a, d, ticket)
         self._inflight_n[ei] += 1
         self._trigger(st, idx, DISPATCH, now)
         self._submit(ei, Seq(rid, r.input_tokens, r.output_tokens, r.hashes, now), now)
+
+    def _write(self, writes: list[Write], now: float) -> None:
+        for w in writes:
+            w.done(self.sessions.update(w.session_id, now, w.apply))
 
     def _submit(self, ei: int, seq: Seq, now: float) -> None:
         self.engines[ei].add(seq)
@@ -452,21 +440,12 @@ class Simulator:
             cached_tokens=max(0, s.cached_tokens),
             recomputed_tokens=s.recomputed,
             reason=live.decision.reason,
-            session_id=live.turn.hints.session_id,
-            fan_out=live.fan_out,
+            session_id=live.arrival.turn.hints.session_id,
+            fan_out=live.arrival.request.fan_out,
             loaded_tokens=s.loaded,
         )
         self.records.append(rec)
-        h = live.turn.hints
-        if h.parent_session_id is not None:
-            self.siblings.remove(h.parent_session_id, live.decision.engine)
-        if h.session_id is not None:
-            srec = pipeline.settle(
-                self.sessions.get(h.session_id, now), live.decision.engine, name, True, now, live.turn
-            )
-            if srec is not None:
-                self.sessions.put(srec)
-                self.homes.settled(h.session_id, srec.home or name, srec.context_tokens, now)
+        self._write(self.core.on_finished(live.arrival, live.decision, name, True, now), now)
         if self.planner is not None:
             self.planner.after_turn(self, rec)
         self._trigger(st, r.idx, "completion", now)

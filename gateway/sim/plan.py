@@ -1,7 +1,7 @@
 """``agentgw plan``: recommend a pool layout for a fleet by replaying a trace in the simulator.
 
     agentgw plan --trace-path tests/data/traces/weka --engines 3 --lanes 1,2,3
-    python -m benchmarks.plan --trace weka --engines 8 --lanes 8,12,16,24 --speedup 10 --write plan.yaml
+    python -m gateway.sim.plan --trace weka --engines 8 --lanes 8,12,16,24 --speedup 10 --write plan.yaml
 
 For a fleet of ``--engines`` engines it runs, on the same trace, engine model and KV tiers, every
 layout of the ``agentic`` profile (with the agent hints unless ``--no-hints``):
@@ -28,7 +28,7 @@ layout at the largest lane count.
 ``agentgw serve``'s default layout (``gateway.local.layout.DEFAULT``) is this recommendation for 3
 engines on the Weka dev trace, recorded with ``--record`` (:data:`RECORD_ARGV`)::
 
-    python -m benchmarks.plan --trace-path /work/shared/traces/weka --engines 3 --lanes 2,4,6,8 \
+    python -m gateway.sim.plan --trace-path /work/shared/traces/weka --engines 3 --lanes 2,4,6,8 \
         --record benchmarks/plans/default_3engines.json
 
 The record holds every point of that sweep, its recommendation, and a small sweep on the
@@ -48,16 +48,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compare import load_trace, meets_slo, run_one
-from benchmarks.sim.calibration import ENGINES
-from benchmarks.sim.metrics import RunMetrics, ideal_hits_by_request
-from benchmarks.sim.tiers import TiersConfig
 from gateway.core.router import RoutingParams
 from gateway.local.layout import DEFAULT, LocalLayout
+from gateway.sim.calibration import ENGINES
+from gateway.sim.metrics import RunMetrics, ideal_hits_by_request
+from gateway.sim.runs import load_trace, meets_slo, run_one
+from gateway.sim.tiers import TiersConfig
 
 __all__ = ["FINGERPRINT_ARGV", "RECORD_ARGV", "Layout", "layouts", "main", "recommend", "sweep"]
 
-VENDORED = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "weka"
+VENDORED = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / "weka"
 RECORD_ARGV = ("--trace-path", "/work/shared/traces/weka", "--engines", "3", "--lanes", "2,4,6,8")
 """The sweep ``gateway.local.layout.DEFAULT`` was measured with (the 48-play Weka dev trace, ~10 min)."""
 FINGERPRINT_ARGV = ("--trace", "synth", "--n", "6", "--engines", "3", "--lanes", "6", "--speedup", "1")
@@ -271,7 +271,7 @@ def record(s: Sweep, argv: list[str], best: Layout, engines: int) -> dict[str, A
     return {
         "about": "agentgw serve's default layout (gateway/local/layout.py DEFAULT) is `recommended`; "
         "tests/benchmarks/test_default_layout.py checks it and re-runs `fingerprint`",
-        "command": "python -m benchmarks.plan " + " ".join(argv),
+        "command": "python -m gateway.sim.plan " + " ".join(argv),
         "what": s.what,
         "slo": {"ttft_p90_ms": s.slo_ttft_ms, "interactivity_p90": s.slo_tok_s},
         "results": figures(s),
@@ -283,7 +283,7 @@ def record(s: Sweep, argv: list[str], best: Layout, engines: int) -> dict[str, A
             "role_controller": local.role_controller,
         },
         "fingerprint": {
-            "command": "python -m benchmarks.plan " + " ".join(FINGERPRINT_ARGV),
+            "command": "python -m gateway.sim.plan " + " ".join(FINGERPRINT_ARGV),
             "what": fingerprint.what,
             "results": figures(fingerprint),
         },

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.sim.engine import DYNAMO_MOCKER, EngineConfig, PerfModel
+from gateway.sim.engine import DYNAMO_MOCKER, EngineConfig, PerfModel
 
 __all__ = ["ENGINES", "H200_QWEN3_32B_FP8", "H200_QWEN3_32B_FP8_AIC"]
 

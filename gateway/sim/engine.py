@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.sim.tiers import Tiers
+    from gateway.sim.tiers import Tiers
 
 __all__ = ["DYNAMO_MOCKER", "Engine", "EngineConfig", "PerfModel", "Seq"]
 
@@ -77,7 +77,7 @@ class EngineConfig:
     kv_bytes_per_token: int = 0
     """For KV bytes moved (planner); 0 when the model is abstract."""
     host_blocks: int = 0
-    """Host (CPU) tier capacity in blocks; the tiers themselves are :mod:`benchmarks.sim.tiers`
+    """Host (CPU) tier capacity in blocks; the tiers themselves are :mod:`gateway.sim.tiers`
     (``SimConfig.tiers``), these three fields are their defaults for this engine model."""
     host_gbps: float = 50.0
     store_gbps: float = 2.3

@@ -15,7 +15,7 @@ executed the way ``gateway/service/migrations.py`` executes it, in virtual time.
 - **move / replicate**: a prefetch per target, i.e. what ``POST /v1/kv/prefetch`` does: a
   1-token completion of the session's prefix (its full blocks) on the target, through the target's
   normal scheduler, so the prefix is loaded from the target's host tier / the store at the tier
-  bandwidths (:mod:`benchmarks.sim.tiers`) and only what no tier holds is recomputed; its KV
+  bandwidths (:mod:`gateway.sim.tiers`) and only what no tier holds is recomputed; its KV
   events reach the prefix index. At most ``max_per_engine`` prefetches run per target, the others
   queue (the executor's per-target semaphore). A ``move`` re-homes the session only once its
   prefetch completed, and only if the session is idle and still homed at the source; a new plan
@@ -35,12 +35,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from benchmarks.sim.engine import Seq
 from gateway.core.planner import ActionKind, PlanAction, PlannerParams, TurnOutcome, plan_after_turn
 from gateway.core.types import Decision
+from gateway.sim.engine import Seq
 
 if TYPE_CHECKING:
-    from benchmarks.sim.cluster import RequestRecord, Simulator
+    from gateway.sim.cluster import RequestRecord, Simulator
 
 __all__ = ["SimMigration", "SimMigrations"]
 
@@ -58,7 +58,7 @@ class SimMigration:
 
 
 class SimMigrations:
-    """The planner hook of :class:`benchmarks.sim.cluster.Simulator`."""
+    """The planner hook of :class:`gateway.sim.cluster.Simulator`."""
 
     def __init__(
         self,

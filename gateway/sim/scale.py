@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
-from benchmarks.sim.traces import HashChainer, Play, TraceRequest
+from gateway.sim.traces import HashChainer, Play, TraceRequest
 
-__all__ = ["scale_plays", "to_weka"]
+__all__ = ["scale_plays", "to_weka", "weka_json"]
 
 
 def scale_plays(
@@ -91,3 +92,21 @@ def to_weka(play: Play, scope: str = "local") -> dict[str, object]:
         assert isinstance(inner, list)
         inner.append(row)
     return {"id": play.play_id, "block_size": play.block_size, "hash_id_scope": scope, "requests": top}
+
+
+def weka_json(play: Play, scope: str = "local") -> dict[str, Any]:
+    """:func:`to_weka` plus the fields aiperf's Weka schema requires (trace
+    ``models``; subagent ``subagent_type``, ``status``, ``models``): readable by both."""
+    d = to_weka(play, scope)
+    models = sorted({r.model or "unknown" for r in play.requests})
+    d["models"] = models
+    d.setdefault("tool_tokens", 0)
+    d.setdefault("system_tokens", 0)
+    for e in d["requests"]:  # type: ignore[union-attr]
+        if e.get("type") == "subagent":
+            e.setdefault("subagent_type", "Explore")
+            e.setdefault("status", "completed")
+            e.setdefault("models", models)
+        else:
+            e["model"] = e.get("model") or models[0]
+    return d

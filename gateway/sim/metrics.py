@@ -2,7 +2,7 @@
 
 - TTFT p50/p90/p99 (ms): first token minus arrival at the gateway.
 - Prefix reuse: token-weighted engine cache hits at admission / input tokens, next to the
-  trace's ideal (infinite cache, :func:`benchmarks.sim.traces.ideal_hit_rate`).
+  trace's ideal (infinite cache, :func:`gateway.sim.traces.ideal_hit_rate`).
 - Recomputed tokens: prefill beyond the ideal (``ideal hits - actual hits`` summed over requests,
   plus preemption recompute).
 - Interactivity of a request: output tokens per second while decoding,
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from benchmarks.sim.cluster import RequestRecord, Simulator
-from benchmarks.sim.traces import Play
+from gateway.sim.cluster import RequestRecord, Simulator
+from gateway.sim.traces import Play
 
 __all__ = ["RunMetrics", "ideal_hits_by_request", "percentile", "summarize"]
 

@@ -1,14 +1,14 @@
 """What no router can beat: each request's TTFT and decode speed on an idle engine with an ideal cache.
 
-    python -m benchmarks.sim.floors --trace-path ../shared/traces/weka
+    python -m gateway.sim.floors --trace-path ../shared/traces/weka
 
 For every request of a trace and every engine model it computes two floors that depend only on
 the request and the engine model, never on routing:
 
 - **TTFT floor**: the prefill of the tokens an infinite cache would not hold (the trace's own
-  reuse in recorded order, :func:`~benchmarks.sim.metrics.ideal_hits_by_request`), alone on an
+  reuse in recorded order, :func:`~gateway.sim.metrics.ideal_hits_by_request`), alone on an
   idle engine, chunked at the engine's ``max_batched_tokens`` with the attention term over the
-  cached prefix (the same :class:`~benchmarks.sim.engine.PerfModel` the simulator runs);
+  cached prefix (the same :class:`~gateway.sim.engine.PerfModel` the simulator runs);
 - **decode floor**: one decode step with this request alone on the engine (batch 1, KV use and
   context = its own input + output tokens), as tokens per second.
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from benchmarks.sim.calibration import ENGINES
-from benchmarks.sim.engine import EngineConfig
-from benchmarks.sim.metrics import ideal_hits_by_request
-from benchmarks.sim.traces import Play, load_weka, synth_agentx
+from gateway.sim.calibration import ENGINES
+from gateway.sim.engine import EngineConfig
+from gateway.sim.metrics import ideal_hits_by_request
+from gateway.sim.traces import Play, load_weka, synth_agentx
 
 SLO_TOK_S = {"h200-qwen3-32b-fp8-aic": 40.0}
 """The interactivity bound per engine model (50 tok/s otherwise)."""

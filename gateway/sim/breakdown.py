@@ -1,9 +1,9 @@
 """Where decoding time goes: decode steps vs prefill chunks sharing their passes, and the KV
 fraction held by decoding sequences (what sets the mocker's decode step).
 
-    python -m benchmarks.sim.breakdown --policy precise_prefix --lanes 24 --speedup 10
-    python -m benchmarks.sim.breakdown --policy agentic --hints --home-load 5
-    python -m benchmarks.sim.breakdown --policy agentic --hints --lanes 32 --knee-tok-s 0
+    python -m gateway.sim.breakdown --policy precise_prefix --lanes 24 --speedup 10
+    python -m gateway.sim.breakdown --policy agentic --hints --home-load 5
+    python -m gateway.sim.breakdown --policy agentic --hints --lanes 32 --knee-tok-s 0
 
 Runs one simulation (Weka dev traces by default, tiers on) and prints, over every pass that had
 decoding sequences: decode steps, how many of those passes also carried prefill chunks and the
@@ -26,13 +26,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from benchmarks.sim.cluster import SimConfig, simulate
-from benchmarks.sim.engine import Engine, Seq
-from benchmarks.sim.metrics import percentile
-from benchmarks.sim.tiers import TiersConfig
-from benchmarks.sim.traces import load_weka, synth_agentx
 from gateway.core.policies.cost import EngineCost
 from gateway.core.router import RoutingParams
+from gateway.sim.cluster import SimConfig, simulate
+from gateway.sim.engine import Engine, Seq
+from gateway.sim.metrics import percentile
+from gateway.sim.tiers import TiersConfig
+from gateway.sim.traces import load_weka, synth_agentx
 
 
 def main(argv: Sequence[str] | None = None) -> int:

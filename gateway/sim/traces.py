@@ -138,7 +138,7 @@ class HashChainer:
 
 
 #: The hash-id namespace of every file whose ``hash_id_scope`` is ``global`` (written by
-#: :mod:`benchmarks.sim.synth`: the plays share a system prompt, so equal ids across files are
+#: :mod:`gateway.sim.synth`: the plays share a system prompt, so equal ids across files are
 #: equal blocks).
 GLOBAL_SCOPE = "global"
 

@@ -1,4 +1,5 @@
-"""Parse an OpenAI request body once, into typed values, with errors that name the field."""
+"""OpenAI's Chat Completions and Completions bodies, parsed once into typed values
+(:class:`ParsedRequest`, what every API's adapter produces), with errors that name the field."""
 
 from __future__ import annotations
 

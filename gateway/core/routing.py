@@ -1,0 +1,194 @@
+"""The routing core: the state that routing reads and writes, and a turn's three moments.
+
+:class:`RoutingCore` owns the router, the two prefix indexes (precise: fed by the engines' KV
+events; approximate: fed by the routing decisions), the homes of the live sessions
+(:class:`~gateway.core.turn.HomeLedger`) and the in-flight subagents of each parent
+(:class:`~gateway.core.turn.Siblings`). The session records are the caller's: the gateway keeps
+them in its session store (memory or Redis, async), the simulator in a
+:class:`~gateway.core.sessions.SessionTable`. The caller reads them before :meth:`on_arrival` and
+applies the :class:`Write`\\ s that :meth:`on_routed` and :meth:`on_finished` return. Pure: no
+I/O, the clock passed in as ``now``.
+
+A turn, in the gateway (``gateway/service/placement.py``) and in the simulator
+(``gateway/sim/cluster.py``) alike::
+
+    a = core.on_arrival(turn, index, record, parent, engines, now)   # reads only
+    d = core.decide(a)                    # the router; core.owner(a, engine) for a constraint
+    for w in core.on_routed(a, d, now):   # committed: the index, the sibling, then the records
+        w.done(store.update(w.session_id, now, w.apply))
+    ... the engine serves the turn (or it never reaches one) ...
+    for w in core.on_finished(a, d, served_on, ok, now):
+        w.done(store.update(w.session_id, now, w.apply))
+
+Every ``on_routed`` is followed by exactly one ``on_finished`` (the sibling counts and the homes'
+in-flight counts rely on it); a turn refused before ``on_routed`` writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gateway.core import turn as steps
+from gateway.core.prefix_index import PrefixIndex
+from gateway.core.router import Router
+from gateway.core.sessions import Mutation, SessionRecord
+from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
+from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
+
+__all__ = ["Arrival", "RoutingCore", "Write"]
+
+
+def _nothing(_: SessionRecord | None) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A read-modify-write of one session record, for the caller's store. ``apply`` is pure (it
+    may run again when a Redis transaction retries; None: nothing to write); ``done`` takes the
+    record as stored and does the core's own bookkeeping for it."""
+
+    session_id: str
+    apply: Mutation
+    done: Callable[[SessionRecord | None], None] = _nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A turn as the router sees it, and what it was built from."""
+
+    turn: Turn
+    index: IndexKind
+    """The index its hashes are matched against (:func:`~gateway.core.turn.index_for`)."""
+    request: RouteRequest
+    snapshot: Snapshot
+    record: SessionRecord | None
+    """The session's live record (None: a new session, an ended one, or no session)."""
+    parent: SessionRecord | None
+
+
+class RoutingCore:
+    def __init__(
+        self,
+        router: Router,
+        index_capacity_blocks: int,
+        approx_capacity_blocks: int | None = None,
+    ) -> None:
+        self.router = router
+        self.indexes = {
+            IndexKind.PRECISE: PrefixIndex(index_capacity_blocks),
+            IndexKind.APPROX: PrefixIndex(approx_capacity_blocks or index_capacity_blocks),
+        }
+        self.siblings = Siblings()
+        self.homes = HomeLedger()
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The index fed by the engines' KV events."""
+        return self.indexes[IndexKind.PRECISE]
+
+    # -- reading -------------------------------------------------------------------------------
+    def views(self, engines: tuple[EngineView, ...], now: float) -> tuple[EngineView, ...]:
+        """The engines with the live sessions' context homed on each (``homed_tokens``)."""
+        homed = self.homes.homed(now)
+        if not homed:
+            return engines
+        return tuple(replace(v, homed_tokens=homed.get(v.name, 0)) for v in engines)
+
+    def matches(self, index: IndexKind, hashes: list[int]) -> dict[str, PrefixMatch]:
+        return self.indexes[index].match(hashes)
+
+    def on_arrival(
+        self,
+        turn: Turn,
+        index: IndexKind,
+        record: SessionRecord | None,
+        parent: SessionRecord | None,
+        engines: tuple[EngineView, ...],
+        now: float,
+    ) -> Arrival:
+        """The router's input for ``turn``: ``record`` is its session's record, ``parent`` its
+        parent session's (as read from the caller's store), ``engines`` the engines' views."""
+        idx = self.indexes[index]
+        parent_id = turn.hints.parent_session_id
+        req, snap = steps.prepare(
+            turn,
+            record,
+            parent,
+            idx.match(turn.hashes),
+            idx.match(parent.prefix_hashes) if parent is not None else {},
+            self.views(engines, now),
+            self.siblings.view(parent_id),
+        )
+        live = record if record is not None and not record.ended else None
+        return Arrival(turn, index, req, snap, live, parent)
+
+    def decide(self, a: Arrival) -> Decision:
+        """The router's decision (raises :class:`~gateway.core.router.NoEngine`)."""
+        return self.router.route(a.request, a.snapshot)
+
+    def owner(self, a: Arrival, engine: str) -> Decision | None:
+        """``engine``, the only one that can serve the turn (None: it is gone)."""
+        return steps.owner_decision(a.request, a.snapshot, engine, self.router.profile.name)
+
+    # -- writing -------------------------------------------------------------------------------
+    def on_routed(self, a: Arrival, d: Decision, now: float) -> list[Write]:
+        """The turn goes to ``d.engine`` (admitted, about to be sent): the approximate index
+        learns where its prefix went, the parent's fan-out counts one more sibling there; the
+        writes give the session its new home and the parent its child."""
+        turn = a.turn
+        if a.index is IndexKind.APPROX:
+            self.indexes[IndexKind.APPROX].apply_stored(d.engine, turn.hashes)
+        sid = turn.hints.session_id
+        if sid is None:
+            return []
+        parent_id = turn.hints.parent_session_id
+        if parent_id is not None:
+            self.siblings.add(parent_id, d.engine)
+        homes = self.homes
+        writes = [
+            Write(
+                sid,
+                lambda rec: steps.place(rec, d, turn, now),
+                lambda _: homes.placed(sid, d.engine, now),
+            )
+        ]
+        if parent_id is not None and a.parent is not None and sid not in a.parent.children:
+            writes.append(Write(parent_id, lambda p: steps.adopt(p, sid)))
+        return writes
+
+    def on_finished(
+        self, a: Arrival, d: Decision, served_on: str | None, ok: bool, now: float
+    ) -> list[Write]:
+        """The turn is over (``served_on``: the engine that answered, None if none did): the
+        sibling leaves the fan-out; the write records the turn in the session's history. The
+        session's last turn (``session_end``) writes nothing: the caller ends the session
+        (:meth:`on_ended`)."""
+        h = a.turn.hints
+        if h.parent_session_id is not None:
+            self.siblings.remove(h.parent_session_id, d.engine)
+        sid = h.session_id
+        if sid is None or h.session_end:
+            return []
+        homes = self.homes
+        turn = a.turn
+
+        def settled(rec: SessionRecord | None) -> None:
+            if rec is not None:
+                homes.settled(sid, rec.home or d.engine, rec.context_tokens, now)
+
+        return [Write(sid, lambda r: steps.settle(r, d.engine, served_on, ok, now, turn), settled)]
+
+    def on_ended(self, session_id: str) -> None:
+        """The session is over: it is homed nowhere."""
+        self.homes.ended(session_id)
+
+    def forget_engine(self, engine: str) -> None:
+        """``engine`` left (or a new server took its name): nothing it held is known any more."""
+        for index in self.indexes.values():
+            index.clear(engine)
+
+    def on_moved(self, session_id: str, engine: str) -> None:
+        """The session was re-homed on ``engine`` between turns."""
+        self.homes.moved(session_id, engine)
