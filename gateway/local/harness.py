@@ -34,6 +34,7 @@ __all__ = [
     "CODEX_PACKAGE",
     "CODEX_VERSION",
     "DEFAULT_URL",
+    "MULTI_AGENT_V1",
     "GatewayUnavailable",
     "HarnessClients",
     "HarnessMissing",
@@ -53,6 +54,10 @@ CLAUDE_CODE_PACKAGE = "@anthropic-ai/claude-code"
 CLAUDE_CODE_VERSION = "2.1.328"
 CODEX_PACKAGE = "@openai/codex"
 CODEX_VERSION = "0.169.0"
+
+MULTI_AGENT_V1 = {"multi_agent": True, "multi_agent_v2": False}
+"""Codex 0.169's feature flags for its v1 subagent tools (`multi_agent_v1__spawn_agent`,
+`..._wait_agent`, ...), pinned: `multi_agent` is on by default but deprecated, v2 off by default."""
 
 _REPO = Path(__file__).resolve().parents[2]
 PROVIDER = "agentgw"  # the Codex model provider written by codex_env()
@@ -113,14 +118,21 @@ def _offline_base(home: Path, base: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def claude_env(
-    base_url: str, home: Path, base: Mapping[str, str] | None = None, max_output_tokens: int | None = None
+    base_url: str,
+    home: Path,
+    base: Mapping[str, str] | None = None,
+    max_output_tokens: int | None = None,
+    small_model: str | None = None,
 ) -> dict[str, str]:
     """Claude Code talking only to `base_url` (the Anthropic API root, without `/v1`).
 
     `max_output_tokens` replaces its `max_tokens` (32000 by default: a random-weight model rarely
-    stops before the context is full)."""
+    stops before the context is full). `small_model` maps its small fast model (a Claude Haiku by
+    default, which a local gateway does not serve) to a served one."""
     home.mkdir(parents=True, exist_ok=True)
     limit = {} if max_output_tokens is None else {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)}
+    if small_model is not None:
+        limit |= {"ANTHROPIC_SMALL_FAST_MODEL": small_model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": small_model}
     return (
         _offline_base(home, base)
         | limit
@@ -143,10 +155,18 @@ def claude_argv(clients: HarnessClients, prompt: str, model: str, *extra: str) -
     return [str(clients.claude), "-p", prompt, "--model", model, *extra]
 
 
-def codex_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def codex_env(
+    base_url: str,
+    home: Path,
+    base: Mapping[str, str] | None = None,
+    features: Mapping[str, bool] | None = None,
+    http_headers: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """Codex talking only to `base_url` (the OpenAI API root, with `/v1`) over the Responses API.
 
-    Writes `home/.codex/config.toml`: the provider, and analytics, feedback and the update check off.
+    Writes `home/.codex/config.toml`: the provider, and analytics, feedback and the update check
+    off; `features` pins feature flags (`[features]`), e.g. `MULTI_AGENT_V1` for its subagent tools;
+    `http_headers` are sent with every request to the provider.
     """
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
@@ -163,8 +183,17 @@ def codex_env(base_url: str, home: Path, base: Mapping[str, str] | None = None) 
         "",
         f"[model_providers.{PROVIDER}]",
         *(f"{k} = {json.dumps(v)}" for k, v in provider.items()),
+        *(
+            [
+                f"http_headers = {{ {', '.join(f'{json.dumps(k)} = {json.dumps(v)}' for k, v in http_headers.items())} }}"
+            ]
+            if http_headers
+            else []
+        ),
         "",
     ]
+    if features:
+        lines += ["[features]", *(f"{k} = {json.dumps(v)}" for k, v in features.items()), ""]
     (codex_home / "config.toml").write_text("\n".join(lines), encoding="utf-8")
     return _offline_base(home, base) | {"CODEX_HOME": str(codex_home), "OPENAI_API_KEY": "agentgw-local"}
 

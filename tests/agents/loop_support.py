@@ -25,7 +25,7 @@ from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.agent_script import next_output
 from gateway.local.engines import HASH_SEED
-from gateway.protocol import ParsedRequest, parse_body
+from gateway.wire.openai import ParsedRequest, parse_body
 from tests.conftest import engine_metric
 
 BLOCK = 128

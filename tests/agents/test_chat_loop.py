@@ -3,7 +3,7 @@ the gateway on the default stack's `tiny-agent`: the scripted decoder makes the 
 tools, vLLM's `hermes` parser returns them as `tool_calls`, and the answer quotes a marker that
 only a file a tool read holds. One session, one turn per step; every turn after a tool's gap
 served where the session's prefix is, with vLLM's cached tokens the block-aligned prefix it
-shares with what the previous turn left cached."""
+shares with what the previous turn left cached; the session pinned on that engine through each gap."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 from openai import OpenAI
 
 from gateway.local.agent_script import AGENT_MODEL, Step, script_text
-from tests.agents.conftest import Stack
+from gateway.local.embedded import LocalStack
+from tests.agents.conftest import handles
 from tests.agents.loop_support import LoopRecorder, Renderer, check_session
 from tests.conftest import ServedGateway
 
@@ -45,7 +46,7 @@ def run_tool(name: str, args: dict[str, str], cwd: Path) -> str:
 
 
 def test_chat_completions_harness_runs_a_scripted_loop(
-    gateway: ServedGateway, stack: Stack, tiny_llama: Path, tmp_path: Path
+    gateway: ServedGateway, stack: LocalStack, tiny_llama: Path, tmp_path: Path
 ) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -56,7 +57,7 @@ def test_chat_completions_harness_runs_a_scripted_loop(
         Step(tool="run", args={"command": "sleep 1 && wc -l notes.txt"}),
         Step(say="The marker is {{find:MARKER-[0-9a-f]+}}."),
     ]
-    recorder = LoopRecorder(gateway.url, stack.handles())
+    recorder = LoopRecorder(gateway.url, handles(stack))
     client = OpenAI(base_url=recorder.url + "/v1", api_key="unused", max_retries=0)
     messages: list[dict[str, object]] = [{"role": "user", "content": "Do this. " + script_text(steps)}]
     calls = []
@@ -91,4 +92,6 @@ def test_chat_completions_harness_runs_a_scripted_loop(
     turns = sessions["chat-loop-1"]
     assert len(turns) == len(steps) and turns[-1].state is not None
     assert turns[-1].state["turns"] == len(steps)
-    check_session("chat", turns, Renderer(tiny_llama))
+    checks = check_session("chat", turns, Renderer(tiny_llama))
+    # engine_ext held the session's KV on its engine through every tool gap
+    assert all(c.pinned_during_gap for c in checks), checks
