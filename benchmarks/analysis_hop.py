@@ -35,6 +35,7 @@ import sys
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -44,7 +45,11 @@ REPO = Path(__file__).resolve().parent.parent
 def _hit(n: int, tokenizer_dir: str) -> None:
     """In a subprocess whose PYTHONPATH picks the checkout: median CPU ms of a cache hit."""
     from benchmarks.overhead import large_body
-    from gateway.analysis.tokenize import ChatTokenizer
+
+    try:
+        from gateway.analysis.tokenize import ChatTokenizer
+    except ImportError:  # a checkout from before gateway/analysis/
+        from gateway.service.tokenize import ChatTokenizer  # type: ignore[no-redef]
 
     body = orjson.loads(large_body())
     tok = ChatTokenizer(tokenizer_dir, 128, None)
@@ -73,7 +78,6 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import large_body
-    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raw = large_body()
@@ -81,14 +85,15 @@ def _round_trip(n: int, tokenizer_dir: str) -> None:
 
     async def go() -> tuple[float, float, float]:
         model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
-        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        # no budget: this measures CPU, and a loaded machine must not turn it into skips
+        an = _analyzer([model], AnalysisConfig.model_validate({"budget_ms": 600_000}))
         try:
             await an.wait_ready()
             for _ in range(5):  # the first fills the worker's cache
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for _ in range(n):
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -103,7 +108,6 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     import asyncio
 
     from benchmarks.overhead import agentic_bodies
-    from gateway.analysis import AnalysisRequest, PromptAnalyzer
     from gateway.config import AnalysisConfig, ModelConfig
 
     raws = [raw for _, raw in agentic_bodies(sessions, 43)]
@@ -111,12 +115,13 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
 
     async def go() -> tuple[float, float, float]:
         model = ModelConfig.model_validate({"name": "m", "tokenizer": tokenizer_dir})
-        an = PromptAnalyzer([model], AnalysisConfig.model_validate({}))
+        # no budget: this measures CPU, and a loaded machine must not turn it into skips
+        an = _analyzer([model], AnalysisConfig.model_validate({"budget_ms": 600_000}))
         try:
             await an.wait_ready()
             c0, w0, t0 = _cpu_self(), _children_cpu(), time.perf_counter()
             for raw, body in zip(raws, bodies, strict=True):
-                await an.analyze(AnalysisRequest("m", "chat", body, raw))
+                await _analyze(an, body, raw)
             return _cpu_self() - c0, _children_cpu() - w0, time.perf_counter() - t0
         finally:
             await an.aclose()
@@ -124,6 +129,80 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     parent, workers, wall = asyncio.run(go())
     n = len(raws)
     print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
+
+
+def _analyzer(models: list[Any], config: Any) -> Any:
+    try:
+        from gateway.analysis import PromptAnalyzer
+    except ImportError:  # a checkout from before gateway/analysis/
+        from gateway.service.analysis import PromptAnalyzer  # type: ignore[no-redef]
+    return PromptAnalyzer(models, config)
+
+
+async def _analyze(an: Any, body: dict[str, Any], raw: bytes) -> Any:
+    """One analysis, no token ids back, through either checkout's interface."""
+    try:
+        from gateway.analysis import AnalysisRequest
+    except ImportError:  # before analyze(AnalysisRequest)
+        return await an.analyze("m", "chat", body, raw=raw, tokens=False)
+    return await an.analyze(AnalysisRequest("m", "chat", body, raw))
+
+
+def phases(tokenizer_dir: str, passes: int) -> list[tuple[str, float]]:
+    """CPU ms per cold agent turn of each phase of ``ChatTokenizer.prompt_info`` (this checkout,
+    in this process): ``benchmarks.overhead``'s turns bodies (8 sessions x 43 turns, a new pass
+    number in each session's first message per pass, so every turn is new and extends the
+    previous turn of its session), after one pass that warms the start-up checks."""
+    from benchmarks.overhead import PASS_MARK, agentic_bodies
+    from gateway.analysis import tokenize
+
+    bodies = [raw for _, raw in agentic_bodies(8, 43, mark=PASS_MARK)]
+    tok = tokenize.ChatTokenizer(tokenizer_dir, 128, None)
+    spent: dict[str, float] = {}
+    stack: list[str] = []  # a phase inside another counts for the outer one only
+
+    def timed(obj: Any, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            if stack:
+                return f(*a, **kw)
+            stack.append(label)
+            t0 = time.process_time()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.process_time() - t0
+                stack.pop()
+
+        setattr(obj, name, wrapper)
+
+    for obj, name, label in (
+        (tok.renderer, "normalize", "normalise (vLLM's message rules)"),
+        (tok, "_stitch", "render the new messages (with its sampled whole-render check)"),
+        (tok.renderer, "render_conversation", "render whole (a session's first turn)"),
+        (tok, "_encode", "encode the new text"),
+        (tok, "_hash", "hash the new blocks"),
+        (tok, "_store", "cache store"),
+    ):
+        timed(obj, name, label)
+    total = 0.0
+    for p in range(passes + 1):
+        if p == 1:
+            spent.clear()
+            total = 0.0
+        for raw in bodies:
+            raw = raw.replace(PASS_MARK.encode(), f"#PASS={p:08d}#".encode())
+            t0 = time.process_time()
+            body = orjson.loads(raw)
+            t1 = time.process_time()
+            tok.prompt_info("chat", body)
+            total += time.process_time() - t0
+            spent["parse the body (orjson)"] = spent.get("parse the body (orjson)", 0.0) + t1 - t0
+    n = len(bodies) * passes
+    rows = sorted(((k, v / n * 1e3) for k, v in spent.items()), key=lambda r: -r[1])
+    rest = total / n * 1e3 - sum(ms for _, ms in rows)
+    return [("all", total / n * 1e3), *rows, ("the rest (keys, text and token bookkeeping)", rest)]
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -220,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         "--turn-sessions", type=int, default=2, help="sessions of 43 turns in the agent-turn table"
     )
     ap.add_argument("--skip-hop", action="store_true", help="leave out the last table")
+    ap.add_argument(
+        "--phases", type=int, default=0, metavar="PASSES", help="only the per-phase table of cold turns"
+    )
     args = ap.parse_args(argv)
     if args.hit_child:
         _hit(args.n, args.tokenizer_dir)
@@ -235,6 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     tok_dir = str(build_tiny_model(args.tokenizer_dir, "llama"))  # built once, as overhead.py does
     if args.core >= 0:
         os.sched_setaffinity(0, {args.core})
+    if args.phases:
+        print(f"| a cold agent turn's analysis, by phase ({args.phases} passes x 344 turns) | CPU ms |")
+        print("|---|---|")
+        for label, ms in phases(tok_dir, args.phases):
+            print(f"| {label} | {ms:.3f} |")
+        return
     srcs = [("this checkout", str(REPO))] + ([("base", args.base_src)] if args.base_src else [])
     print(f"| cache hit on the 647 KB body | CPU ms per request (median of {args.n}), runs |")
     print("|---|---|")

@@ -324,7 +324,7 @@ class ChatTokenizer:
         self.stitch = True
         self.stitch_reason = self._probe_stitch()
         self.stitch = not self.stitch_reason
-        self.stitched = self.stitch_misses = 0
+        self.stitched = self.stitch_misses = self.stitch_checks = 0
         """Whether a turn that extends a cached conversation renders only its new messages
         (:meth:`_stitch`); :attr:`stitch_reason` says why not."""
         if self.stitch_reason:

@@ -113,3 +113,16 @@ def test_the_wrappers_say_what_is_missing(
     monkeypatch.setenv("AGENTGW_URL", f"http://127.0.0.1:{port}")
     assert main(["claude", "-p", "hi"]) == 1
     assert f"no gateway answers at http://127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_claude_small_model_and_codex_features_and_headers_are_set_when_asked(tmp_path: Path) -> None:
+    env = claude_env("http://x", tmp_path / "c", {"PATH": "/bin"}, small_model="tiny-agent")
+    assert env["ANTHROPIC_SMALL_FAST_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "tiny-agent"
+    assert "ANTHROPIC_SMALL_FAST_MODEL" not in claude_env("http://x", tmp_path / "c", {"PATH": "/bin"})
+    env = codex_env(
+        "http://x/v1", tmp_path / "x", {"PATH": "/bin"}, features=harness.MULTI_AGENT_V1,
+        http_headers={"x-session-id": "s-1"},
+    )  # fmt: skip
+    config = tomllib.loads((Path(env["CODEX_HOME"]) / "config.toml").read_text())
+    assert config["features"] == {"multi_agent": True, "multi_agent_v2": False}
+    assert config["model_providers"][harness.PROVIDER]["http_headers"] == {"x-session-id": "s-1"}
