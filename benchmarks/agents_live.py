@@ -79,10 +79,10 @@ from gateway.local.harness import (
 
 TARGETS = (
     "agentgw",
-    "agentgw-no-hints",
     "vr-cache-aware",
-    "vr-consistent-hash",
     "vr-kv-aware",
+    "vr-consistent-hash",
+    "agentgw-no-hints",
     "vr-round-robin",
 )
 BLOCK = 128
@@ -599,7 +599,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the scratch folders and logs")
+    ap.add_argument("--from-json", type=Path, help="only print the table (and --plot) of a run's --json")
     args = ap.parse_args(argv)
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        runs = [RepeatResult(**r) for r in doc["runs"]]
+        summary = summarize(runs)
+        print(table(summary))
+        if args.plot:
+            plot(summary, args.plot, doc["caption"])
+        return 0
     targets = [t for t in args.targets.split(",") if t]
     unknown = set(targets) - set(TARGETS)
     if unknown:
@@ -608,6 +617,21 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="agentgw-agents-live-"))
     results: list[RepeatResult] = []
     started = time.monotonic()
+    caption = (
+        f"{args.sessions} concurrent sessions (Claude Code and Codex, scripted tiny-agent), "
+        f"{args.tools} tool calls each, {args.repeats} repeats; 3 engines on 2 CPU cores"
+    )
+
+    def save() -> None:  # after every repeat: a run cut short still has its figures
+        if args.json:
+            doc = {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "caption": caption,
+                "wall_s": time.monotonic() - started,
+                "runs": [asdict(r) for r in results],
+            }
+            args.json.write_text(json.dumps(doc, indent=1))
+
     try:
         for name in targets:
             with fresh_stack(args, root / f"stack-{name}") as stack:  # engines restarted per target
@@ -618,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                     for r in range(args.repeats):
                         res = run_repeat(target, stack, clients, args, r, root)
                         results.append(res)
+                        save()
                         figs = res.figures()
                         print(
                             f"{name} repeat {r}: "
@@ -632,24 +657,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     wall = time.monotonic() - started
     summary = summarize(results)
-    caption = (
-        f"{args.sessions} concurrent sessions (Claude Code and Codex, scripted tiny-agent), "
-        f"{args.tools} tool calls each, {args.repeats} repeats; 3 engines on 2 CPU cores"
-    )
+    save()
     print(f"\n{caption}; run {wall / 60:.1f} min\n")
     print(table(summary))
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "wall_s": wall,
-                    "summary": summary,
-                    "runs": [asdict(r) for r in results],
-                },
-                indent=1,
-            )
-        )
     if args.plot:
         plot(summary, args.plot, caption)
     return 0
