@@ -60,8 +60,8 @@ Sessions = Literal["memory", "redis"]
 STORES: tuple[Store, ...] = ("none", "host", "mooncake")
 SESSIONS: tuple[Sessions, ...] = ("memory", "redis")
 HOST_CACHE_MIB = 512
-"""engine_ext's host tier per engine: a ``/dev/shm`` region, resident in full from the start (it is
-mapped and touched when the engine starts), so it is kept small; the device KV cache is 1 GiB."""
+"""engine_ext's host tier per engine: a ``/dev/shm`` region, resident as it fills (all of it once
+the engine has served enough), so it is kept small; the device KV cache is 1 GiB."""
 DEFAULT_MAX_MODEL_LEN = 131072
 """The tiny model's whole window: a scripted Claude Code session (an 18K-token first prompt that
 grows with every tool result) never meets it, and Claude Code does not compact against a window
