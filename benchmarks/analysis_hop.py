@@ -46,9 +46,9 @@ def _hit(n: int, tokenizer_dir: str) -> None:
     """In a subprocess whose PYTHONPATH picks the checkout: median CPU ms of a cache hit."""
     from benchmarks.overhead import large_body
 
-    try:
+    if _has_analysis_package():
         from gateway.analysis.tokenize import ChatTokenizer
-    except ImportError:  # a checkout from before gateway/analysis/
+    else:
         from gateway.service.tokenize import ChatTokenizer  # type: ignore[no-redef]
 
     body = orjson.loads(large_body())
@@ -131,20 +131,29 @@ def _turns(sessions: int, tokenizer_dir: str) -> None:
     print(f"{parent / n * 1e3:.3f} {workers / n * 1e3:.3f} {wall / n * 1e3:.3f}")
 
 
+def _has_analysis_package() -> bool:
+    """Whether the checkout on the path has gateway/analysis/ (else it is older: the analysis
+    lived in gateway/service/). Asked of the directory, not by trying the import: an editable
+    install's finder would find the package in the installed tree and mix the two."""
+    import gateway
+
+    return (Path(gateway.__file__).parent / "analysis").is_dir()
+
+
 def _analyzer(models: list[Any], config: Any) -> Any:
-    try:
+    if _has_analysis_package():
         from gateway.analysis import PromptAnalyzer
-    except ImportError:  # a checkout from before gateway/analysis/
+    else:
         from gateway.service.analysis import PromptAnalyzer  # type: ignore[no-redef]
     return PromptAnalyzer(models, config)
 
 
 async def _analyze(an: Any, body: dict[str, Any], raw: bytes) -> Any:
     """One analysis, no token ids back, through either checkout's interface."""
-    try:
-        from gateway.analysis import AnalysisRequest
-    except ImportError:  # before analyze(AnalysisRequest)
+    if not _has_analysis_package():
         return await an.analyze("m", "chat", body, raw=raw, tokens=False)
+    from gateway.analysis import AnalysisRequest
+
     return await an.analyze(AnalysisRequest("m", "chat", body, raw))
 
 

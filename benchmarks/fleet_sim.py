@@ -6,8 +6,10 @@ store with a latency, clients spread at random over the replicas.
     python -m benchmarks.fleet_sim --engines 64 --replicas 1,4 --delays 0 --losses 0   # a corner
 
 Grid: engines in ``--engines`` (64, 256) x replicas ``--replicas`` (1, 4, 16) x event delay
-``--delays`` (0, 100, 500 ms) x event loss ``--losses`` (0, 1%); then ``--big`` engines (1,024)
-at one point (``--big-point``: 4 replicas, 100 ms, 0 loss) once per index variant (exact
+``--delays`` (0, 100, 500 ms) x event loss ``--losses`` (0, 1%) x the period at which each replica
+scrapes the engines' gauges ``--scrapes`` (1 s, the gateway's ``timeouts.metrics_interval_s``) x
+``--shared-load`` (0: each replica knows only its own in-flight requests, as live; 1: all); then
+``--big`` engines (1,024) at one point (``--big-point``: 4 replicas, 100 ms, 0 loss) once per index variant (exact
 PrefixIndex, EngineTables, BloomTables). Profile ``agentic`` with hints, Dynamo's mocker engine,
 ``--no-hints`` routes without session ids (no homes: the prefix indexes alone place turns),
 ``--lanes-per-engine`` plays at a time per engine (lanes = engines x that), each play cut to its
@@ -85,6 +87,9 @@ def run_one(
         "replicas": fleet.replicas,
         "delay_ms": fleet.event_delay_s * 1000,
         "loss": fleet.event_loss,
+        "scrape_s": fleet.scrape_s,
+        "shared_load": fleet.shared_load,
+        "on_gap": fleet.on_gap,
         "index": fleet.index,
         "requests": m.requests,
         "reuse": m.hit_rate,
@@ -101,9 +106,9 @@ def run_one(
 
 
 HEAD = (
-    "| engines | replicas | event delay | loss | index | reuse (vs ideal) | p90 TTFT ms (vs ideal) | "
+    "| engines | replicas | event delay | loss | scrape | index | reuse (vs ideal) | p90 TTFT ms (vs ideal) | "
     "P90 tok/s (vs ideal) | decision us | index MB / replica | batches lost / clears |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -116,7 +121,7 @@ def row(r: dict[str, Any], ideal: dict[str, Any] | None) -> str:
         return f"{format(v, fmt)} ({d:+.3f})" if key == "reuse" else f"{format(v, fmt)} ({d:+.0f})"
 
     return (
-        f"| {r['engines']} | {r['replicas']} | {r['delay_ms']:.0f} ms | {r['loss']:.0%} | {r['index']} | "
+        f"| {r['engines']} | {r['replicas']} | {r['delay_ms']:.0f} ms | {r['loss']:.0%} | {r['scrape_s']:g} s{' shared' if r['shared_load'] else ''} | {r['index']} | "
         f"{rel('reuse', '.3f')} | {rel('ttft_p90_ms', '.0f')} | {rel('interactivity_p90', '.1f')} | "
         f"{r['decision_us']:.0f} | {r['index_mb_per_replica']:.1f} | {r['events_lost']} / {r['clears']} |"
     )
@@ -128,7 +133,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = [r for r in rows if r["index"] == "exact" and r["loss"] == 0 and r["engines"] <= 256]
+    grid = [
+        r
+        for r in rows
+        if r["index"] == "exact" and r["loss"] == 0 and r["engines"] <= 256 and r["scrape_s"] == 1.0
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for engines in sorted({r["engines"] for r in grid}):
         for delay in sorted({r["delay_ms"] for r in grid}):
@@ -167,7 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=12)
     ap.add_argument("--speedup", type=float, default=10.0)
     ap.add_argument("--store-latency-ms", type=float, default=1.0)
-    ap.add_argument("--scrape-s", type=float, default=1.0)
+    ap.add_argument(
+        "--scrapes", default="1", help="engine-gauge scrape periods, seconds (the grid's 4th axis)"
+    )
+    ap.add_argument("--on-gap", default="clear", help="clear | keep: a replica's index on a lost batch")
+    ap.add_argument(
+        "--shared-load", default="0", help="0,1: replicas see only their own in-flight ledger / all"
+    )
     ap.add_argument(
         "--no-hints", action="store_true", help="no session hints: placement by the indexes alone"
     )
@@ -195,10 +210,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ideal_hits = ideal_hits_by_request(plays)
         best = run(engines, plays, ideal_hits, FleetConfig(1, 0.0, 0.0, 0.0, 0.0))
         print(row(best, None) + " ideal", flush=True)
-        for rep, delay, loss in itertools.product(
-            _ints(args.replicas), _floats(args.delays), _floats(args.losses)
-        ):
-            r = run(engines, plays, ideal_hits, FleetConfig(rep, delay, loss, lat, args.scrape_s))
+        axes = (
+            _ints(args.replicas),
+            _floats(args.delays),
+            _floats(args.losses),
+            _floats(args.scrapes),
+            _ints(args.shared_load),
+        )
+        for rep, delay, loss, scrape, shared in itertools.product(*axes):
+            f = FleetConfig(rep, delay, loss, lat, scrape, shared_load=bool(shared), on_gap=args.on_gap)
+            r = run(engines, plays, ideal_hits, f)
             print(row(r, best), flush=True)
             (out / "fleet.json").write_text(json.dumps(rows, indent=1))
     if args.big:
@@ -206,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plays = plays_for(base, args.big, args.lanes_per_engine)
         ideal_hits = ideal_hits_by_request(plays)
         for kind in args.big_indexes.split(","):
-            f = FleetConfig(int(rep_s), float(delay_s), float(loss_s), lat, args.scrape_s, kind)
+            f = FleetConfig(int(rep_s), float(delay_s), float(loss_s), lat, _floats(args.scrapes)[0], kind)
             print(row(run(args.big, plays, ideal_hits, f), None), flush=True)
             (out / "fleet.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "fleet_reuse_ttft.png")

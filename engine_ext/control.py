@@ -218,7 +218,9 @@ class ControlServer:
     - authentication before anything else is read (401; an empty token is refused at start);
     - the body, at most ``max_body_bytes`` (413) within ``body_timeout_s`` (408); then
       ``max_inflight`` operations at once (429: a slow body never holds an operation slot);
-    - an idle keep-alive connection is closed after ``keep_alive_s``.
+    - an idle keep-alive connection is closed after ``keep_alive_s`` (75 s: longer than the
+      gateway's pooled connections idle, 60 s, so the client closes first and never sends on a
+      connection the server is closing).
     """
 
     def __init__(
@@ -232,7 +234,7 @@ class ControlServer:
         max_connections: int = 64,
         header_timeout_s: float = 5.0,
         body_timeout_s: float = 10.0,
-        keep_alive_s: float = 30.0,
+        keep_alive_s: float = 75.0,
         max_body_bytes: int = 4 * 1024 * 1024,
     ):
         if not token or token != token.strip():

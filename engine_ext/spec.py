@@ -96,6 +96,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
             max_connections=int(self.extra_config.get("control_max_connections", 64)),
             header_timeout_s=float(self.extra_config.get("control_header_timeout_s", 5.0)),
             body_timeout_s=float(self.extra_config.get("control_body_timeout_s", 10.0)),
+            keep_alive_s=float(self.extra_config.get("control_keep_alive_s", 75.0)),
             max_body_bytes=int(self.extra_config.get("control_max_body_bytes", 4 * 1024 * 1024)),
         )
         server.start()

@@ -164,6 +164,15 @@ class RoutingConfig(_Strict):
     knee_move_max_s: float = Field(_ROUTING.knee_move_max_s, ge=0)
     """Most TTFT (s, estimated from uncached tokens and queue) a ``kv_balance`` move may add to
     the turn; past it the turn stays home past the knee. 0: any move."""
+    knee_output_tokens: int = Field(_ROUTING.knee_output_tokens, ge=0)
+    """A ``kv_balance`` move at a turn's arrival is made only when the decode time it saves over
+    this many output tokens (the step beyond 1000 / ``interactivity_tok_s`` ms, at home less at
+    the target) exceeds the time to reload the context the target lacks (at
+    ``move_bytes_per_s``). 0: any move (for short tool gaps, where the planner cannot move a
+    session ahead of its turn)."""
+    overflow_wait_tokens: int = Field(_ROUTING.overflow_wait_tokens, ge=0)
+    """A turn its home cannot hold moves (``kv_overflow``) only when reloading what the target
+    lacks takes less than this many decode steps at home; else it waits there. 0: always move."""
     prefill_s_per_token: float = Field(_ROUTING.prefill_s_per_token, ge=0)
     queue_s_per_request: float = Field(_ROUTING.queue_s_per_request, ge=0)
     cold_home_no_affinity: bool = _ROUTING.cold_home_no_affinity
@@ -238,6 +247,10 @@ class SessionsConfig(_Strict):
     """WATCH/MULTI attempts of one update before it gives up with a 503 (busy session)."""
     local_capacity: int = Field(100_000, gt=0)
     """Sessions kept in the replica's local view of a Redis store (used while Redis is down)."""
+    share_load_s: float = Field(0.25, ge=0)
+    """With the Redis backend, how often each replica writes its in-flight requests per engine to
+    Redis and reads the other replicas' (gateway/service/shared_load.py), so it routes on everyone's
+    load between two scrapes of the engines' gauges; 0: off."""
 
 
 def _sha256_digests(v: list[str]) -> list[str]:
@@ -387,6 +400,18 @@ class MigrationConfig(_Strict):
     max_target_queue: int = Field(_PLANNER.max_target_queue, ge=0)
     kv_bytes_per_token: int = Field(_PLANNER.kv_bytes_per_token, gt=0)
     move_bytes_per_s: float = Field(_PLANNER.move_bytes_per_s, gt=0)
+    turn_s: float = Field(_PLANNER.turn_s, gt=0)
+    """How long a turn holds its KV (prefill + expected output): the window in which the planner
+    counts another session's turn as overlapping the next one (``knee_ahead`` moves: a session
+    whose next turn would pass the router's decode knee at home is moved during its tool gap)."""
+    copy_margin_s: float = Field(_PLANNER.copy_margin_s, ge=0)
+    """A ``knee_ahead`` copy must finish this long before the session's expected return."""
+    max_moves_per_engine: int = Field(_PLANNER.max_moves_per_engine, ge=1)
+    """``knee_ahead`` moves in flight touching one engine (as source or target)."""
+    max_moves_per_s: float = Field(_PLANNER.max_moves_per_s, gt=0)
+    """``knee_ahead`` moves started per second (over the last 10 s)."""
+    min_dwell_s: float = Field(_PLANNER.min_dwell_s, ge=0)
+    """A session is not moved again (``knee_ahead``) within this long of its last move."""
 
     def params(self) -> PlannerParams:
         """The pure planner's parameters (the fields both share)."""

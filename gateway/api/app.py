@@ -24,6 +24,7 @@ from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_
 from gateway.api.anthropic_routes import MESSAGES_WIRE
 from gateway.api.body_budget import BodyBudget
 from gateway.api.drain import Drain
+from gateway.api.errors import to_api_error
 from gateway.api.openai_routes import OPENAI_WIRES
 from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire, openai_error, send_error
 from gateway.api.responses_routes import RESPONSES_WIRE
@@ -32,6 +33,7 @@ from gateway.core.router import Router
 from gateway.errors import ApiError, error_body
 from gateway.service.cluster import Cluster
 from gateway.service.dashboard import DashboardHistory
+from gateway.service.errors import DomainError
 from gateway.service.gateway import GatewayService
 from gateway.service.membership import read_pools_file
 from gateway.service.metrics import GatewayMetrics
@@ -198,6 +200,10 @@ def create_app(
             status_code=exc.status,
             headers=dict((k.decode(), v.decode()) for k, v in exc.headers()),
         )
+
+    @api.exception_handler(DomainError)
+    async def _domain_error(request: Request, exc: DomainError) -> Response:
+        return await _api_error(request, to_api_error(exc))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

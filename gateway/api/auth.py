@@ -9,6 +9,7 @@ import ipaddress
 from fastapi import Request
 
 from gateway.api.body_budget import BodyBudget
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.errors import ApiError
 from gateway.service.tenants import Tenant, TenantRegistry
 
@@ -30,7 +31,10 @@ def registry(request: Request) -> TenantRegistry:
 
 def tenant_of(request: Request) -> Tenant:
     """The caller's tenant; 401 for a missing or unknown key."""
-    return registry(request).authenticate(request.headers.raw)
+    try:
+        return registry(request).authenticate(request.headers.raw)
+    except SERVICE_ERRORS as exc:
+        raise to_api_error(exc) from None
 
 
 async def require_admin(request: Request) -> None:
@@ -52,7 +56,10 @@ async def require_admin(request: Request) -> None:
                 "forbidden",
             )
         return
-    reg.require_admin(request.headers.raw)
+    try:
+        reg.require_admin(request.headers.raw)
+    except SERVICE_ERRORS as exc:
+        raise to_api_error(exc) from None
 
 
 def body_owner(request: Request) -> str:
@@ -61,7 +68,7 @@ def body_owner(request: Request) -> str:
     reg = registry(request)
     if reg.open:
         return "addr:" + (request.client.host if request.client else "")
-    return "tenant:" + reg.authenticate(request.headers.raw).name
+    return "tenant:" + tenant_of(request).name
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
-from gateway.api.errors import to_api_error
+from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.api.server import ABORT_EXTENSION
 from gateway.errors import ApiError, error_body, reshape_upstream_error
 from gateway.service.gateway import GatewayService
@@ -139,6 +139,7 @@ class _AsgiEdge:
 
     __slots__ = (
         "claim",
+        "declared",
         "flight",
         "limit",
         "raw",
@@ -162,6 +163,8 @@ class _AsgiEdge:
     ) -> None:
         self.wire = wire
         self.limit = limit
+        self.declared = declared_length(scope["headers"])
+        """The body's declared length (None: chunked, or not a number)."""
         self.scope = scope
         self.receive = receive
         self.send_ = send
@@ -170,11 +173,6 @@ class _AsgiEdge:
         self.raw: bytes | None = None
         self.stream = False
         self.responded = False
-
-    @property
-    def declared(self) -> int | None:
-        """The body's declared length (None: chunked, or not a number)."""
-        return declared_length(self.scope["headers"])
 
     async def read(self) -> bytes:
         self.raw = await read_body(self.receive, self.limit, self.claim, self.declared)
@@ -292,9 +290,9 @@ class GenerationEndpoint:
             tenant = svc.tenants.authenticate(headers)
             if edge.declared is not None and edge.declared > edge.limit:
                 raise ApiError(413, f"request body exceeds {edge.limit} bytes", None, "request_too_large")
-        except ApiError as err:
-            svc.metrics.count_request(self.route, str(err.status), "", "")
-            await edge.refuse(err, [])
+        except (ApiError, *SERVICE_ERRORS) as exc:
+            status = await edge.refuse(exc, [])
+            svc.metrics.count_request(self.route, str(status), "", "")
             return
         if edge.claim is not None:
             edge.claim.owner = body_owner(svc, tenant, scope)

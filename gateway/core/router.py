@@ -81,6 +81,18 @@ class RoutingParams:
     """The most a ``kv_balance`` move may add to the turn's estimated time to first token (the
     target's uncached tokens x ``prefill_s_per_token`` + its queue x ``queue_s_per_request``,
     against the home's), for fleets where TTFT matters more than decode speed. 0: any move."""
+    knee_output_tokens: int = 0
+    """A ``kv_balance`` move is made only when the decode time it saves over this many output
+    tokens (the decode step beyond ``1000 / interactivity_tok_s`` ms, at home less at the target)
+    exceeds the TTFT its reload adds (from the cost model: the context the target lacks at
+    ``move_bytes_per_s``); 0: any move under ``knee_move_max_s``. Set it far below a typical
+    output when the planner moves sessions during their tool gaps (``knee_ahead``): the turns
+    still past the knee at arrival are the ones it could not move, and reloading them while the
+    user waits sets the TTFT tail."""
+    overflow_wait_tokens: int = 0
+    """A ``kv_overflow`` move (the home cannot hold the turn) is made only when reloading what the
+    target lacks (at ``move_bytes_per_s``) takes less than this many decode steps at home: the
+    wait for room to free there, about half of AgentX's median output. 0: always move."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
     cold_home_no_affinity: bool = True
@@ -163,6 +175,10 @@ def _agentic(p: RoutingParams) -> Profile:
             move_max_s=p.knee_move_max_s or float("inf"),
             affinity_weight=_w(p, "session_affinity") if p.cold_home_no_affinity else 0.0,
             spread_new=p.new_session_load,
+            cost=engine_cost(p),
+            knee_output_tokens=p.knee_output_tokens,
+            slo_step_ms=1000.0 / p.interactivity_tok_s if p.interactivity_tok_s > 0 else 0.0,
+            overflow_wait_tokens=p.overflow_wait_tokens,
         ),
     )
 

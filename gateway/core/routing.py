@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gateway.core import turn as steps
+from gateway.core.planner import MoveState, PlanAction, PlannerParams, TurnOutcome, plan_turn
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import Router
 from gateway.core.sessions import Mutation, SessionRecord
@@ -82,6 +83,9 @@ class RoutingCore:
         }
         self.siblings = Siblings()
         self.homes = HomeLedger()
+        self.moves = MoveState()
+        """The planner's move bounds (moves in flight per engine, recent starts, each session's
+        last move): :meth:`plan` starts a move in it, :meth:`move_ended` ends one."""
 
     @property
     def index(self) -> PrefixIndex:
@@ -192,3 +196,35 @@ class RoutingCore:
     def on_moved(self, session_id: str, engine: str) -> None:
         """The session was re-homed on ``engine`` between turns."""
         self.homes.moved(session_id, engine)
+
+    # -- between turns ---------------------------------------------------------------------------
+    def plan(
+        self,
+        outcome: TurnOutcome,
+        engines: tuple[EngineView, ...],
+        index: IndexKind,
+        hashes: list[int],
+        params: PlannerParams,
+        now: float,
+    ) -> PlanAction:
+        """Where the session's KV should be for its next turn (:func:`~gateway.core.planner.
+        plan_turn`), after its turn settled (:meth:`on_finished`'s write done): the homes learn
+        when it is expected back (``now + outcome.gap_s``) and project each engine's decode KV
+        then; its next context is its last plus its last growth. A ``knee_ahead`` move is in
+        flight in :attr:`moves` until the caller reports :meth:`move_ended` (done, failed or
+        cancelled; cancel the session's previous migration before planning)."""
+        sid = outcome.session_id
+        nxt = self.homes.next_tokens(sid)
+        if nxt > 0:
+            outcome = replace(outcome, next_tokens=nxt)
+        back = now + outcome.gap_s
+        self.homes.expect(sid, back)
+        expected = self.homes.expected_at(back, params.turn_s, exclude=sid)
+        action, self.moves = plan_turn(
+            outcome, self.views(engines, now), self.matches(index, hashes), params, self.moves, now, expected
+        )
+        return action
+
+    def move_ended(self, session_id: str) -> None:
+        """The session's move is over (done, failed or cancelled): its bounds are free."""
+        self.moves = self.moves.finished(session_id)

@@ -286,6 +286,15 @@ class _Home:
     tokens: int
     last: float
     inflight: int
+    next_at: float | None = None
+    """When the session's next turn is expected (its last turn's end + the expected gap)."""
+    growth: int = 0
+    """How much its context grew at its last turn (the growth to expect of the next one)."""
+
+
+#: How many typical turn windows a turn in flight is projected to hold its KV (its output length
+#: is unknown until it ends; AgentX outputs are lognormal around 444 tokens, p90 ~3x the median).
+INFLIGHT_WINDOWS = 3
 
 
 class HomeLedger:
@@ -318,14 +327,51 @@ class HomeLedger:
         while len(self._homes) > self.capacity:
             self._drop(next(iter(self._homes)))
 
-    def settled(self, session_id: str, engine: str, context_tokens: int, now: float) -> None:
+    def settled(
+        self, session_id: str, engine: str, context_tokens: int, now: float, gap_s: float | None = None
+    ) -> None:
+        """The session's turn on ``engine`` is over; ``gap_s``: when its next turn is expected."""
         h = self._homes.pop(session_id, None)
         if h is None:
             return
         self._tokens[h.engine] -= h.tokens
+        h.growth = max(0, context_tokens - h.tokens) if h.tokens > 0 else 0
         h.engine, h.tokens, h.last, h.inflight = engine, context_tokens, now, max(0, h.inflight - 1)
+        h.next_at = now + gap_s if gap_s is not None else None
         self._tokens[engine] += context_tokens
         self._homes[session_id] = h
+
+    def next_tokens(self, session_id: str) -> int:
+        """The session's expected next context: its last plus its last growth (0: unknown)."""
+        h = self._homes.get(session_id)
+        return h.tokens + h.growth if h is not None else 0
+
+    def expect(self, session_id: str, next_at: float) -> None:
+        """The session's next turn is expected at ``next_at`` (the planner's gap estimate)."""
+        h = self._homes.get(session_id)
+        if h is not None:
+            h.next_at = next_at
+
+    def expected_at(self, at: float, window_s: float, exclude: str | None = None) -> dict[str, int]:
+        """Per engine, the context tokens of the sessions homed there whose turns are expected to
+        hold KV in ``[at, at + window_s]``: an idle session's next turn from its ``next_at`` for
+        ``window_s`` (unknown: not counted); a turn in flight (placed at ``last``), whose output is
+        not known yet, until ``last + INFLIGHT_WINDOWS * window_s`` (a long answer decodes for
+        several typical turns). ``exclude``: a session to leave out (the one being planned).
+        O(sessions)."""
+        out: dict[str, int] = {}
+        for sid, h in self._homes.items():
+            if sid == exclude or h.tokens <= 0:
+                continue
+            if h.inflight > 0:
+                start, end = h.last, h.last + INFLIGHT_WINDOWS * window_s
+            elif h.next_at is not None:
+                start, end = h.next_at, h.next_at + window_s
+            else:
+                continue
+            if start <= at + window_s and end >= at:
+                out[h.engine] = out.get(h.engine, 0) + h.tokens
+        return out
 
     def ended(self, session_id: str) -> None:
         if session_id in self._homes:

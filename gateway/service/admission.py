@@ -39,18 +39,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.config import AdmissionConfig
-from gateway.errors import ApiError
+from gateway.service.errors import Refused
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import Tenant
 
 INTERACTIVE, BACKGROUND = 0, 1
 
 
-class AdmissionRejected(ApiError):
-    """A request refused by admission: 429 (the tenant's limit) or 503 (capacity), with
+class AdmissionRejected(Refused):
+    """A request refused by admission: the tenant's limit (``own``) or capacity, with
     ``retry_after``; ``code`` names the limit."""
-
-    __slots__ = ()
 
 
 class _QueueFull(Exception):
@@ -342,7 +340,6 @@ class Admission:
         if tenant.max_concurrent is not None and ts.inflight >= tenant.max_concurrent:
             self._reject(
                 ts,
-                429,
                 "tenant_concurrency",
                 f"too many concurrent requests for this API key (limit {tenant.max_concurrent})",
                 self.config.retry_after_s,
@@ -359,7 +356,6 @@ class Admission:
             if wait > 0:
                 self._reject(
                     ts,
-                    429,
                     code,
                     f"rate limit reached for {what} per second ({bucket.rate:g}/s)",
                     max(1, math.ceil(wait)),
@@ -378,7 +374,6 @@ class Admission:
         except _QueueFull:
             self._reject(
                 None,
-                503,
                 code,
                 f"{what} is at capacity and its wait queue is full",
                 self.config.retry_after_s,
@@ -386,7 +381,6 @@ class Admission:
         except TimeoutError:
             self._reject(
                 None,
-                503,
                 code,
                 f"{what} is at capacity (waited {self.config.queue_timeout_s:g} s)",
                 self.config.retry_after_s,
@@ -395,15 +389,14 @@ class Admission:
             self._gauge()
         return queued
 
-    def _reject(
-        self, ts: _TenantState | None, status: int, code: str, message: str, retry_after: int
-    ) -> None:
+    def _reject(self, ts: _TenantState | None, code: str, message: str, retry_after: int) -> None:
+        """Refuse: ``ts`` the tenant whose own limit it is (None: the gateway's capacity)."""
         if ts is not None:
             ts.rejected += 1
         self.stats.rejected[code] = self.stats.rejected.get(code, 0) + 1
         if self.metrics is not None:
             self.metrics.admission_rejections.labels(code).inc()
-        raise AdmissionRejected(status, message, None, code, retry_after)
+        raise AdmissionRejected(message, code, retry_after, own=ts is not None)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -161,6 +161,8 @@ class Cluster:
         self._views: tuple[EngineView, ...] | None = None
         self.load = InflightLoad(self.engines)
         self.on_eject: list[Callable[[str], None]] = []
+        self.shared: Callable[[str], EngineCounts | None] | None = None
+        """The other replicas' in-flight counts per engine, when they share them."""
 
     # -- membership ----------------------------------------------------------------------------
     def apply_pools(self, pools: list[PoolConfig]) -> dict[str, list[str]]:
@@ -222,10 +224,23 @@ class Cluster:
             panic = self.panicking()
             # an engine that left stays in the views (never healthy) until it is dropped, so the
             # re-homing of its sessions knows its pool
-            self._views = tuple(
-                merge(s.view(panic[s.pool]), self.load.of(s.name)) for s in self.engines.values()
-            )
+            self._views = tuple(self._view(s, panic[s.pool]) for s in self.engines.values())
         return self._views
+
+    def _view(self, s: EngineState, panic: bool) -> EngineView:
+        own = self.load.of(s.name)
+        others = self.shared(s.name) if self.shared is not None else None
+        if others is None:
+            return merge(s.view(panic), own)
+        # the other replicas' in-flight requests too (gateway/service/shared_load.py)
+        total = EngineCounts(
+            own.prefilling + others.prefilling,
+            own.backlog_tokens + others.backlog_tokens,
+            own.decoding + others.decoding,
+            own.tokens + others.tokens,
+        )
+        view = s.view(panic)
+        return merge(replace(view, inflight=view.inflight + others.prefilling + others.decoding), total)
 
     def panicking(self) -> dict[str, bool]:
         """Per pool: is it in panic (too few engines pass probes, so health is ignored)?"""
@@ -270,6 +285,10 @@ class Cluster:
         return [name for name, s in self.engines.items() if not s.seen]
 
     # -- updating ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Something the views read changed outside the cluster (the other replicas' load)."""
+        self._changed()
+
     def _changed(self) -> None:
         self._views = None
 

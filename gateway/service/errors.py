@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
-__all__ = ["DomainError", "ModelNotFound", "NoCapacity", "ResponseNotFound", "UpstreamFailed"]
+__all__ = [
+    "BadRequest",
+    "DomainError",
+    "ModelNotFound",
+    "NoCapacity",
+    "NotAuthenticated",
+    "NotPermitted",
+    "Refused",
+    "ResponseNotFound",
+    "UpstreamFailed",
+]
 
 
 class DomainError(Exception):
@@ -43,4 +53,45 @@ class ResponseNotFound(DomainError):
         what = "Previous response" if field == "previous_response_id" else "Response"
         super().__init__(f"{what} with id '{response_id}' not found." + (f" ({why})" if why else ""))
         self.response_id = response_id
+        self.field = field
+
+
+class BadRequest(DomainError):
+    """The request cannot be served as sent; ``field`` names what is wrong, ``code`` says how."""
+
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
+class NotAuthenticated(DomainError):
+    """The caller presented no key, or one nobody has (``code`` says which)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NotPermitted(DomainError):
+    """The caller's key may not do this (``field``: the part of the request it may not use)."""
+
+    def __init__(self, message: str, code: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+class Refused(DomainError):
+    """Not now: a limit was reached; try again after ``retry_after`` s. ``own``: the caller's
+    own limit (its tenant's concurrency, request or token rate); else the gateway's capacity (a
+    full queue, a busy engine, a session updated concurrently). ``code`` names the limit."""
+
+    def __init__(
+        self, message: str, code: str, retry_after: int, own: bool = False, field: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
+        self.own = own
         self.field = field

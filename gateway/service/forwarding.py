@@ -24,9 +24,8 @@ from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
-from gateway.errors import ApiError
 from gateway.service.cluster import Cluster
-from gateway.service.errors import UpstreamFailed
+from gateway.service.errors import BadRequest, UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 
@@ -313,10 +312,10 @@ def _dumps(body: dict[str, Any]) -> bytes:
     try:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
     except RecursionError:
-        raise ApiError(400, "the request body nests JSON too deeply", None, "invalid_json") from None
+        raise BadRequest("the request body nests JSON too deeply", None, "invalid_json") from None
     except (TypeError, ValueError) as exc:
-        raise ApiError(
-            400, f"the request body cannot be forwarded as JSON: {exc}", None, "invalid_json"
+        raise BadRequest(
+            f"the request body cannot be forwarded as JSON: {exc}", None, "invalid_json"
         ) from None
 
 

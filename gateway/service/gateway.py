@@ -33,7 +33,8 @@ from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
 from gateway.service.rehome import Rehomer
 from gateway.service.roles import RoleDriver, role_params
-from gateway.service.session_store import SessionStore
+from gateway.service.session_store import RedisSessionStore, SessionStore
+from gateway.service.shared_load import SharedLoad
 from gateway.service.tenants import ANONYMOUS, Tenant, TenantRegistry
 from gateway.service.turns import Turns
 from gateway.wire.openai import ParsedRequest
@@ -86,6 +87,14 @@ class GatewayService:
         self.roles = (
             RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
         )
+        self.shared_load: SharedLoad | None = None
+        """The other replicas' in-flight ledgers, shared through Redis (gateway/service/shared_load.py)."""
+        period = config.sessions.share_load_s
+        if isinstance(sessions, RedisSessionStore) and period > 0:
+            self.shared_load = SharedLoad(
+                sessions.redis, cluster.load, period, sessions.prefix, cluster.refresh
+            )
+            cluster.shared = self.shared_load.of
         self.membership = Membership(self)
         """Engines joining and leaving while it runs (SIGHUP, admin API, discovery file)."""
 
@@ -106,8 +115,12 @@ class GatewayService:
                 sub.start()
                 self.subscribers.append(sub)
         self.membership.start()
+        if self.shared_load is not None:
+            self.shared_load.start()
 
     async def stop(self) -> None:
+        if self.shared_load is not None:
+            await self.shared_load.stop()
         await self.membership.stop()
         if self.roles is not None:
             await self.roles.stop()

@@ -84,6 +84,12 @@ class MigrationExecutor:
         self.current: dict[str, Migration] = {}
         self._finished: dict[str, None] = {}  # sessions whose `current` entry has finished, oldest first
         self.recent: deque[Migration] = deque(maxlen=MAX_RECENT)
+        self.on_rehome: Callable[[str, str], None] | None = None
+        """Called with (session, target) when a completed move re-homed a session (the routing
+        core's homes follow it)."""
+        self.on_move_end: Callable[[str], None] | None = None
+        """Called with the session when its migration ends (done, failed or cancelled: the routing
+        core's move bounds are freed)."""
 
     def controllable(self, engine: str) -> bool:
         s = self.cluster.engines.get(engine)
@@ -119,6 +125,8 @@ class MigrationExecutor:
         if task is None or task.done():
             return False
         task.cancel()
+        if self.on_move_end is not None:
+            self.on_move_end(session_id)
         if m is not None and m.state == "running":
             m.state = "cancelled"
             m.error = reason
@@ -207,6 +215,8 @@ class MigrationExecutor:
         finally:
             if m.state not in ("running", "cancelled"):  # cancel() records a cancelled one
                 self.recent.append(m)
+                if self.current.get(a.session_id) is m and self.on_move_end is not None:
+                    self.on_move_end(a.session_id)  # not replaced by a newer plan
         await self._settle(m)
 
     async def _settle(self, m: Migration) -> None:
@@ -235,4 +245,6 @@ class MigrationExecutor:
             rec.home, rec.pool = target, pool
             return rec
 
-        await self.sessions.update(session_id, self.clock(), rehome)
+        rec = await self.sessions.update(session_id, self.clock(), rehome)
+        if rec is not None and rec.home == target and self.on_rehome is not None:
+            self.on_rehome(session_id, target)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
 from gateway.core.hints import AgentHints
-from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, plan_after_turn
+from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, with_knee
 from gateway.core.prefix_index import PrefixIndex
-from gateway.core.router import NoEngine, Router
+from gateway.core.router import NoEngine, Router, engine_cost
 from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind, Turn, index_for, restarts
@@ -93,6 +93,12 @@ class Placement:
         self.clock = clock
         self.core = RoutingCore(router, config.routing.index_capacity_blocks)
         self.owners = ResponseOwners(sessions, clock)
+        rp = router.params
+        knee = engine_cost(rp).decode_knee(rp.interactivity_tok_s) if rp.interactivity_tok_s > 0 else 1.0
+        self.planner_params = with_knee(migrations.params, knee)
+        """The planner's parameters with the router's decode knee (``knee_ahead`` moves)."""
+        migrations.on_rehome = self.core.on_moved
+        migrations.on_move_end = self.core.move_ended
 
     @property
     def index(self) -> PrefixIndex:
@@ -189,8 +195,9 @@ class Placement:
         """Plan where the session's KV should be for its next turn, and start doing it."""
         if not self.migrations.controllable(engine):
             return None
+        sid, now = rec.session_id, self.clock()
         outcome = TurnOutcome(
-            session_id=rec.session_id,
+            session_id=sid,
             home=engine,
             context_tokens=rec.context_tokens,
             gap_s=self.expected_gap(hints, rec),
@@ -198,13 +205,12 @@ class Placement:
             is_subagent=hints.is_subagent,
             block_size=self.prompts.block_size(model),
         )
-        action = plan_after_turn(
-            outcome,
-            self.cluster.views(),
-            self.core.matches(index, rec.prefix_hashes),
-            self.migrations.params,
+        self.migrations.cancel(sid, reason="new_plan")  # first: its move bounds are freed
+        action = self.core.plan(
+            outcome, self.cluster.views(), index, rec.prefix_hashes, self.planner_params, now
         )
-        self.migrations.submit(action, self.prompts.session_tokens(rec.session_id))
+        if self.migrations.submit(action, self.prompts.session_tokens(sid)) is None:
+            self.core.move_ended(sid)
         return action
 
     async def end_session(self, session_id: str) -> SessionRecord | None:

@@ -131,7 +131,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
                 request.method,
                 str(request.url),
                 data=body,
-                headers=request.headers.multi_items(),
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
                 allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(
                     sock_connect=timeout.get("connect"), sock_read=timeout.get("read")

@@ -44,7 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from gateway.core.sessions import Mutation, SessionRecord, SessionTable, namespace_of
-from gateway.errors import ApiError
+from gateway.service.errors import Refused
 from gateway.service.metrics import GatewayMetrics
 
 REDIS_MAX_CONNECTIONS = 256
@@ -55,10 +55,8 @@ T = TypeVar("T")
 OUTAGE_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
-class SessionStoreBusy(ApiError):
-    """An update kept conflicting with concurrent writers (503 with ``Retry-After``)."""
-
-    __slots__ = ()
+class SessionStoreBusy(Refused):
+    """An update kept conflicting with concurrent writers (the gateway's capacity: retry)."""
 
 
 class SessionStore(Protocol):
@@ -378,11 +376,7 @@ class RedisSessionStore:
             else:
                 log.warning("session store: update of a session conflicted %d times", self.max_conflicts)
                 raise SessionStoreBusy(
-                    503,
-                    "the session is being updated concurrently; retry",
-                    "session_id",
-                    "session_busy",
-                    1,
+                    "the session is being updated concurrently; retry", "session_busy", 1, field="session_id"
                 )
         if ns is not None:
             limit = self.quotas.get(namespace_of(session_id, self.quotas))

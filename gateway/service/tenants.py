@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.config import AuthConfig, ConfigError, TenantConfig
-from gateway.errors import ApiError
+from gateway.service.errors import NotAuthenticated, NotPermitted
 
 log = logging.getLogger("agentgw.tenants")
 
@@ -72,7 +72,7 @@ class Tenant:
     def check_model(self, model: str) -> None:
         """Raise a 403 naming ``model`` when this tenant may not use it."""
         if not self.allows_model(model):
-            raise ApiError(403, f"this API key may not use model '{model}'", "model", "model_not_allowed")
+            raise NotPermitted(f"this API key may not use model '{model}'", "model_not_allowed", "model")
 
 
 ANONYMOUS = Tenant(name="anonymous", anonymous=True)
@@ -174,22 +174,19 @@ class TenantRegistry:
 
     def authenticate(self, headers: Headers) -> Tenant:
         """The caller's tenant (:data:`ADMIN` for an admin key, :data:`ANONYMOUS` when open).
-        Raises ApiError 401 (OpenAI shape) for a missing or unknown key."""
+        Raises :class:`NotAuthenticated` for a missing or unknown key."""
         if self.open:
             return ANONYMOUS
         keys = presented_keys(headers)
         if not keys:
-            raise ApiError(
-                401,
-                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                None,
-                "missing_api_key",
+            raise NotAuthenticated(
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", "missing_api_key"
             )
         for key in keys:
             tenant = self._lookup(key)
             if tenant is not None:
                 return tenant
-        raise ApiError(401, "invalid API key", None, "invalid_api_key")
+        raise NotAuthenticated("invalid API key", "invalid_api_key")
 
     def is_admin(self, headers: Headers) -> bool:
         if self.open:
@@ -197,11 +194,11 @@ class TenantRegistry:
         return any(self._lookup(k) is ADMIN for k in presented_keys(headers))
 
     def require_admin(self, headers: Headers) -> None:
-        """Raise 401 (no or unknown key) or 403 (a tenant's key) unless the caller is an admin
-        (anyone is, when the registry is open)."""
+        """Raise :class:`NotAuthenticated` (no or unknown key) or :class:`NotPermitted` (a
+        tenant's key) unless the caller is an admin (anyone is, when the registry is open)."""
         if self.open or self.authenticate(headers).admin:
             return
-        raise ApiError(403, "this route needs an admin key", None, "admin_required")
+        raise NotPermitted("this route needs an admin key", "admin_required")
 
 
 def _tenant(tc: TenantConfig, secret: str) -> Tenant:

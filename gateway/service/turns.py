@@ -37,7 +37,7 @@ from gateway.core.hints import HintError
 from gateway.core.types import Decision
 from gateway.errors import ApiError
 from gateway.service.admission import TenantPass
-from gateway.service.errors import DomainError, ResponseNotFound
+from gateway.service.errors import DomainError, ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Relay
 from gateway.service.placement import Analysis
 from gateway.service.responses import SCAN_BYTES, find_response_id
@@ -373,8 +373,7 @@ class Turns:
                 status = str(up.status)
         except (TimeoutError, httpx.TransportError) as exc:
             svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
-            err = ApiError(502, f"engine '{up.engine}' failed mid-response: {exc!r}", None, "upstream_error")
-            await edge.refuse(err, [])
+            await edge.refuse(UpstreamFailed(f"engine '{up.engine}' failed mid-response: {exc!r}", False), [])
         except OSError:
             status = "499"
         finally:
@@ -437,8 +436,7 @@ class Turns:
             message = f"engine '{up.engine}' failed mid-response: {exc!r}"
             with contextlib.suppress(Exception):
                 if not started:  # nothing sent yet: the API's error
-                    err = ApiError(502, message, None, "upstream_error")
-                    await edge.refuse(err, turn.response_headers(up))
+                    await edge.refuse(UpstreamFailed(message, False), turn.response_headers(up))
                 elif stream:  # the API's error event ends the stream
                     await edge.end(edge.stream_error(message))
                 else:

@@ -74,6 +74,9 @@ class SimConfig:
     profile: str = "round_robin"
     hints: bool = False
     """Send the agent hints (session id, parent id, expected tool latency) to the gateway."""
+    tool_latency_hint: bool = True
+    """With ``hints``: send the expected tool latency too (False: the gateway predicts each
+    session's gap from its observed gaps)."""
     lanes: int | None = 16
     speedup: float = 1.0
     routing: RoutingParams | None = None
@@ -323,7 +326,9 @@ class Simulator:
             session_id=sid,
             parent_session_id=parent_id,
             fan_out=(play.subagents.get(r.stream, 0) or None) if cfg.hints else None,
-            expected_tool_latency_ms=round(1000 * r.gap_s / cfg.speedup) if cfg.hints else None,
+            expected_tool_latency_ms=(
+                round(1000 * r.gap_s / cfg.speedup) if cfg.hints and cfg.tool_latency_hint else None
+            ),
         )
         self._seq += 1
         turn = Turn(MODEL, r.input_tokens, play.block_size, hints, r.hashes, self._seq)

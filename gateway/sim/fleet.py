@@ -12,7 +12,8 @@ view, as they run live (docs/operations.md, "Several gateway replicas on one Red
   (:mod:`gateway.core.prefix_tables`);
 - **its own load view**: the engines' gauges (running, waiting, KV use) as scraped every
   ``scrape_s``, and its own in-flight ledger (:class:`gateway.core.load.InflightLoad`) for what it
-  sent itself; its own home ledger and sibling counts (in the core);
+  sent itself (``shared_load``: every replica's ledger, as if they shared them); its own home
+  ledger and sibling counts (in the core);
 - **a shared session store** with a latency: a record written at ``t`` is visible to every
   replica from ``t + store_latency_s``; each request's time to first token also pays the two
   round trips a live replica makes before forwarding (read, then write the placement).
@@ -29,10 +30,10 @@ import random
 import time
 import tracemalloc
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from gateway.core.load import InflightLoad, merge
+from gateway.core.load import EngineCounts, InflightLoad, merge
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.prefix_tables import BloomTables, EngineTables
 from gateway.core.routing import Arrival, RoutingCore, Write
@@ -56,6 +57,12 @@ class FleetConfig:
     index: str = "exact"
     """``exact`` | ``tables`` | ``bloom``."""
     seed: int = 0
+    on_gap: str = "clear"
+    """What a replica does when it finds a lost batch: ``clear`` the engine's entries (what
+    gateway/service/kv_events.py does) or ``keep`` them (what the lost batch said is missed)."""
+    shared_load: bool = False
+    """Every replica sees every replica's in-flight ledger (as if they shared it at once), not
+    only its own: what sharing the ledgers would buy."""
 
 
 def replicate_plays(plays: Sequence[Play], copies: int) -> list[Play]:
@@ -97,6 +104,16 @@ def bytes_per_entry(kind: str, engines: int = 32, blocks: int = 2000) -> float:
     used, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return used / (engines * blocks)
+
+
+def _sum_counts(counts: Iterable[EngineCounts]) -> EngineCounts:
+    out = EngineCounts()
+    for c in counts:
+        out.prefilling += c.prefilling
+        out.backlog_tokens += c.backlog_tokens
+        out.decoding += c.decoding
+        out.tokens += c.tokens
+    return out
 
 
 class _TimedCore(RoutingCore):
@@ -185,8 +202,9 @@ class FleetSimulator(Simulator):
         idx = rep.core.index
         if engine in rep.gap:  # a sequence gap: the engine's entries are not trusted any more
             rep.gap.discard(engine)
-            idx.clear(engine)
-            self.clears += 1
+            if self.fleet.on_gap == "clear":
+                idx.clear(engine)
+                self.clears += 1
         if removed:
             idx.apply_removed(engine, removed)
         if stored:
@@ -230,6 +248,14 @@ class FleetSimulator(Simulator):
                 for i, e in enumerate(self.engines)
             )
             self._scraped_at = self.now
+        if self.fleet.shared_load:
+            return tuple(
+                merge(
+                    replace(v, inflight=sum(r.inflight[i] for r in self.replicas)),
+                    _sum_counts(r.load.of(v.name) for r in self.replicas),
+                )
+                for i, v in enumerate(self._scraped)
+            )
         rep = self._cur
         return tuple(
             merge(replace(v, inflight=rep.inflight[i]), rep.load.of(v.name))

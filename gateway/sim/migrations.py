@@ -1,12 +1,14 @@
-"""The inter-turn planner in the simulator: the real :func:`gateway.core.planner.plan_after_turn`,
-executed the way ``gateway/service/migrations.py`` executes it, in virtual time.
+"""The inter-turn planner in the simulator: the routing core's :meth:`gateway.core.routing.
+RoutingCore.plan` (the real :func:`gateway.core.planner.plan_turn` with the core's move state and
+its homes' projection of each engine's decode KV at the expected return), executed the way
+``gateway/service/migrations.py`` executes it, in virtual time.
 
 - **When** (``GatewayService._settle`` / ``after_turn``): after each completed request of a
   session (hints on), with the engines' views, the prefix-index matches of the session's last
   prompt hashes and the gap: the hinted tool latency (the trace's recorded think time before the
-  session's next request, divided by the speed-up: an exact hint), else the session's median
-  observed gap, else ``default_gap_s``. The last request of a stream ends the session
-  (``end_session``: cancel what is pending, ``release``).
+  session's next request, divided by the speed-up: an exact hint; ``SimConfig.tool_latency_hint``
+  False withholds it), else the session's median observed gap, else ``default_gap_s``. The last
+  request of a stream ends the session (``end_session``: cancel what is pending, ``release``).
 - **Pins** (engine_ext): every session turn pins the session's blocks in its engine's host tier for
   ``min(gap + pin_margin_s, max_pin_s)`` (the gateway forwards that pin in
   ``kv_transfer_params.agentgw``); ``stay`` also soft-pins them in the home's device cache for the
@@ -35,7 +37,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gateway.core.planner import ActionKind, PlanAction, PlannerParams, TurnOutcome, plan_after_turn
+from gateway.core.planner import ActionKind, PlanAction, PlannerParams, TurnOutcome
+from gateway.core.turn import IndexKind
 from gateway.core.types import Decision
 from gateway.sim.engine import Seq
 
@@ -115,7 +118,7 @@ class SimMigrations:
             self.cancel(sim, sid, "session_end")
             self._execute(sim, PlanAction(ActionKind.RELEASE, sid, record.engine, reason="session_end"), [])
             return
-        if sim.cfg.hints:
+        if sim.cfg.hints and sim.cfg.tool_latency_hint:
             gap = sim.plays[record.play].requests[nxt].gap_s / sim.cfg.speedup
         else:
             g = srec.expected_gap()
@@ -125,17 +128,21 @@ class SimMigrations:
         if sim.tiers is not None:
             sim.tiers.pin_host(record.engine, hashes, now + min(gap + p.pin_margin_s, p.max_pin_s))
             self._pins.setdefault(sid, set()).add((record.engine, False))
+        ctx = srec.context_tokens
         turn = TurnOutcome(
             session_id=sid,
             home=record.engine,
-            context_tokens=srec.context_tokens,
+            context_tokens=ctx,
             gap_s=gap,
             fan_out=record.fan_out,
             is_subagent=srec.parent is not None,
             block_size=sim.cfg.engine.block_size,
         )
-        action = plan_after_turn(turn, sim.views(), sim.index.match(hashes), p)
-        self.submit(sim, action, hashes)
+        self.cancel(sim, sid, "new_plan")
+        self.current.pop(sid, None)
+        action = sim.core.plan(turn, sim._engine_views(), IndexKind.PRECISE, hashes, p, now)
+        if self._execute(sim, action, hashes) is None:
+            sim.core.move_ended(sid)
 
     def on_next_turn(self, sim: Simulator, session_id: str, decision: Decision, play: str, idx: int) -> None:
         self.cancel(sim, session_id, "next_turn_arrived")
@@ -168,6 +175,7 @@ class SimMigrations:
             return
         m.state = "done"
         a = m.action
+        sim.core.move_ended(a.session_id)
         self.stats[f"{a.kind.value}_done"] += 1
         if a.kind == ActionKind.MOVE:
             self._rehome(sim, a.session_id, a.source, a.targets[0])
@@ -224,6 +232,7 @@ class SimMigrations:
         if m is None or m.state != "running":
             return False
         m.state = "cancelled"
+        sim.core.move_ended(session_id)
         self.stats[f"{m.action.kind.value}_cancelled"] += 1
         self.stats[f"cancelled:{reason}"] += 1
         for t, seq in m.pending.items():
@@ -243,6 +252,7 @@ class SimMigrations:
         rec.home = target
         rec.pool = sim.pool_of(target)
         sim.sessions.put(rec)
+        sim.core.on_moved(sid, target)
         sim.migrations += 1
         self._moved[sid] = sim.now
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gateway.core.planner import PlannerParams
 from gateway.core.roles import RoleParams
-from gateway.core.router import RoutingParams
+from gateway.core.router import RoutingParams, engine_cost
 from gateway.sim.calibration import ENGINES
 from gateway.sim.cluster import SimConfig, Simulator, simulate
 from gateway.sim.engine import EngineConfig
@@ -60,6 +60,7 @@ def run_one(
     weights: dict[str, float] | None = None,
     routing_overrides: dict[str, float] | None = None,
     load_view: str = "gateway",
+    planner_overrides: dict[str, float] | None = None,
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
     eng = ENGINES[engine]()
@@ -72,9 +73,6 @@ def run_one(
         tiers = tiers or TiersConfig()
         kvb = eng.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN
         tiers = replace(tiers, kv_bytes_per_token=kvb)
-        planner = SimMigrations(
-            PlannerParams(kv_bytes_per_token=kvb, move_bytes_per_s=tiers.store_gbps * 1e9)
-        )
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
@@ -88,6 +86,31 @@ def run_one(
         routing = replace(routing, **routing_overrides)  # type: ignore[arg-type]
     if "noknee" in flags:
         routing = replace(routing, interactivity_tok_s=0.0)
+    if "kneefree" in flags:  # the arrival-time knee move as first built: not priced
+        routing = replace(routing, knee_output_tokens=0)
+    if "ovffree" in flags:  # the kv_overflow move as first built: not priced
+        routing = replace(routing, overflow_wait_tokens=0)
+    if "noaff" in flags:
+        routing = replace(routing, cold_home_no_affinity=False)
+    if "nospread" in flags:
+        routing = replace(routing, new_session_load=False)
+    if "planner" in flags:
+        assert tiers is not None
+        knee = (
+            engine_cost(routing).decode_knee(routing.interactivity_tok_s)
+            if routing.interactivity_tok_s
+            else 1.0
+        )
+        pp = PlannerParams(
+            kv_bytes_per_token=tiers.kv_bytes_per_token,
+            move_bytes_per_s=tiers.store_gbps * 1e9,
+            knee_kv_share=1.0 if "noahead" in flags else knee,
+        )
+        if "nodemote" in flags:
+            pp = replace(pp, demote_after_s=float("inf"))
+        if planner_overrides:
+            pp = replace(pp, **planner_overrides)  # type: ignore[arg-type]
+        planner = SimMigrations(pp, device_pins="nopins" not in flags)
     if first_turn_threshold is not None:
         routing = replace(routing, first_turn_threshold_tokens=first_turn_threshold)
     cfg = SimConfig(
@@ -95,6 +118,7 @@ def run_one(
         engine=eng,
         profile=profile,
         hints="hints" in flags,
+        tool_latency_hint="nolat" not in flags,
         lanes=lanes,
         speedup=speedup,
         label=policy,

@@ -401,3 +401,23 @@ def test_synthetic_plays_are_seeded_and_round_trip_through_weka_json(tmp_path):
             assert [d.delay_s for d in sorted(r.deps, key=key)] == pytest.approx(
                 [d.delay_s for d in sorted(s.deps, key=key)]
             )
+
+
+def test_a_seed_grid_reports_the_median_of_each_column_over_the_seeds(tmp_path):
+    import json
+
+    from benchmarks.compare import main as compare_main
+
+    argv = ["--trace", "synth", "--n", "3", "--seeds", "1,2,3", "--configs", "2x2x1", "--no-sweep"]
+    assert (
+        compare_main([*argv, "--policies", "precise_prefix,agentic+hints+planner", "--out", str(tmp_path)])
+        == 0
+    )
+    runs = json.loads((tmp_path / "seeds.json").read_text())["runs"]["2x2x1"]
+    for policy in ("precise_prefix", "agentic+hints+planner"):
+        per_seed = runs[policy]["seeds"]
+        assert [r["seed"] for r in per_seed] == [1, 2, 3]
+        p90 = sorted(r["ttft_p90_ms"] for r in per_seed)
+        assert runs[policy]["median"]["ttft_p90_ms"] == p90[1]
+    # the seeds are different plays
+    assert len({r["requests"] for r in runs["precise_prefix"]["seeds"]}) > 1

@@ -594,3 +594,69 @@ def test_new_sessions_spread_by_expected_load(engines, held, session, subagent, 
         new_session_load=flag,
     )
     assert got == expected, why
+
+
+# the default cost model (Dynamo's mocker: knee at u = 0.31, 20 ms per token there) on engines of
+# 16,384 blocks of 64 tokens; reloads at 2.3 GB/s with 128 KiB per token (17.5K tokens per second)
+def big(name: str, kv_usage: float) -> EngineView:
+    return eng(name, kv_usage=kv_usage, capacity_blocks=16_384)
+
+
+@pytest.mark.parametrize(
+    ("home_kv", "prompt", "held_b", "output", "expected", "why"),
+    [
+        (0.3, 100_000, 0, 100, ("a", "sticky"), "100K tokens reloaded (5.7 s) for 0.3 s of decode saved"),
+        (0.3, 100_000, 98_000, 100, ("b", "kv_balance"), "b lacks 2K tokens (0.11 s) < 0.3 s saved"),
+        (
+            0.3,
+            100_000,
+            0,
+            0,
+            ("b", "kv_balance"),
+            "not priced (knee_output_tokens 0): the move as first built",
+        ),
+        (0.6, 5_000, 0, 100, ("b", "kv_balance"), "5K tokens (0.29 s) < 0.9 s saved at a step 9 ms late"),
+        (0.6, 5_000, 0, 20, ("a", "sticky"), "over 20 tokens only 0.18 s is saved"),
+    ],
+)
+def test_an_arrival_knee_move_pays_for_its_reload(home_kv, prompt, held_b, output, expected, why) -> None:  # type: ignore[no-untyped-def]
+    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=prompt)
+    matches = {
+        "a": PrefixMatch(prompt // 64, prompt // 64, prompt / 64),
+        "b": PrefixMatch(held_b // 64, held_b // 64, held_b / 64),
+    }
+    r = RouteRequest(model="m", prompt_tokens=prompt, block_size=64, session_id="s")
+    p = RoutingParams(profile="agentic", knee_output_tokens=output)
+    d = Router(p).route(
+        r, Snapshot(engines=(big("a", home_kv), big("b", 0.0)), matches=matches, session=session)
+    )
+    assert (d.engine, d.reason) == expected, why
+
+
+@pytest.mark.parametrize(
+    ("prompt", "held_b", "wait_tokens", "expected", "why"),
+    [
+        (
+            200_000,
+            0,
+            222,
+            ("a", "sticky"),
+            "a 200K reload (11.4 s) takes longer than 222 steps (~7 s) at home",
+        ),
+        (20_000, 0, 222, ("b", "kv_overflow"), "a 20K reload (1.1 s) is shorter than the wait"),
+        (200_000, 190_000, 222, ("b", "kv_overflow"), "b holds all but 10K tokens (0.6 s)"),
+        (200_000, 0, 0, ("b", "kv_overflow"), "not priced (overflow_wait_tokens 0): the move as first built"),
+    ],
+)
+def test_a_turn_that_does_not_fit_at_home_moves_only_when_its_reload_beats_the_wait(  # type: ignore[no-untyped-def]
+    prompt, held_b, wait_tokens, expected, why
+) -> None:
+    session = SessionView("s", home="a", pool="warm", turns=3, context_tokens=prompt)
+    matches = {"a": PrefixMatch(prompt // 64, prompt // 64, prompt / 64)}
+    if held_b:
+        matches["b"] = PrefixMatch(held_b // 64, held_b // 64, held_b / 64)
+    r = RouteRequest(model="m", prompt_tokens=prompt, block_size=64, session_id="s")
+    p = RoutingParams(profile="agentic", overflow_wait_tokens=wait_tokens, interactivity_tok_s=0.0)
+    snap = Snapshot(engines=(big("a", 0.99), big("b", 0.3)), matches=matches, session=session)
+    d = Router(p).route(r, snap)
+    assert (d.engine, d.reason) == expected, why

@@ -239,3 +239,22 @@ def test_numbers_and_ids_are_validated(server: str, path: str, body: dict[str, A
     r = call(server, "POST", path, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == 400
+
+
+def test_an_authenticated_connection_is_kept_alive_then_closed_when_idle(tight: ControlServer) -> None:
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=30) as s:
+        for _ in range(2):  # two requests, one connection
+            s.sendall(b"GET /v1/kv/stats HTTP/1.1\r\nHost: x\r\n" + AUTH + b"\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += s.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
+        assert tight.connections == 1
+        rest = b""
+        while part := s.recv(65536):  # b"" once the server closes the idle connection
+            rest += part
+    for _ in range(100):
+        if tight.connections == 0:
+            break
+        time.sleep(0.02)
+    assert tight.connections == 0 and tight.refused.get(408, 0) == 0  # closed quietly, no 408

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from gateway.api.errors import to_api_error
 from gateway.config import AdmissionConfig
 from gateway.service.admission import Admission, AdmissionRejected, Turnstile
 from gateway.service.metrics import GatewayMetrics
@@ -52,7 +53,11 @@ async def test_tenant_concurrency_is_429_with_retry_after() -> None:
         with pytest.raises(AdmissionRejected) as e:
             async with adm.admit(t):
                 pass
-        assert (e.value.status, e.value.code, e.value.retry_after) == (429, "tenant_concurrency", 1)
+        assert (to_api_error(e.value).status, e.value.code, e.value.retry_after) == (
+            429,
+            "tenant_concurrency",
+            1,
+        )
         async with adm.admit(Tenant("other", max_concurrent=1)):  # other tenants are not affected
             pass
     async with adm.admit(t):  # freed
@@ -70,7 +75,11 @@ async def test_request_rate_bucket_refills_from_the_clock() -> None:
     with pytest.raises(AdmissionRejected) as e:
         async with adm.admit(t):
             pass
-    assert (e.value.status, e.value.code, e.value.retry_after) == (429, "tenant_rate_limited", 1)
+    assert (to_api_error(e.value).status, e.value.code, e.value.retry_after) == (
+        429,
+        "tenant_rate_limited",
+        1,
+    )
     clock.t += 0.5  # one request's worth
     async with adm.admit(t):
         pass
@@ -136,7 +145,7 @@ async def test_full_gateway_queues_then_503_when_the_queue_is_full() -> None:
     with pytest.raises(AdmissionRejected) as e:
         async with adm.admit(ANONYMOUS):
             pass
-    assert (e.value.status, e.value.code, e.value.retry_after) == (503, "gateway_busy", 3)
+    assert (to_api_error(e.value).status, e.value.code, e.value.retry_after) == (503, "gateway_busy", 3)
     release.set()
     await asyncio.gather(first, queued)
     assert order == ["first", "queued"] and adm.stats.queued == 1
@@ -174,7 +183,7 @@ async def test_queue_timeout_is_503_and_a_cancelled_waiter_leaves_no_trace() -> 
     with pytest.raises(AdmissionRejected) as e:
         async with adm.admit(ANONYMOUS):
             pass
-    assert (e.value.status, e.value.code) == (503, "gateway_busy")
+    assert (to_api_error(e.value).status, e.value.code) == (503, "gateway_busy")
     waiter = asyncio.create_task(hold(adm, ANONYMOUS, release, order, "cancelled"))
     await settle()
     assert adm.waiting == 1
@@ -195,7 +204,7 @@ async def test_engine_slots_are_bounded_per_engine() -> None:
         with pytest.raises(AdmissionRejected) as e:
             async with adm.engine_slot("e0"):
                 pass
-        assert (e.value.status, e.value.code) == (503, "engine_busy")
+        assert (to_api_error(e.value).status, e.value.code) == (503, "engine_busy")
         async with adm.engine_slot("e1"):
             pass
     assert adm.engine_has_room("e0")

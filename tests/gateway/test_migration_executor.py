@@ -10,7 +10,9 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.core.planner import ActionKind, PlanAction
+from gateway.core.planner import ActionKind, MoveState, PlanAction, PlannerParams
+from gateway.core.router import Router, RoutingParams
+from gateway.core.routing import RoutingCore
 from gateway.core.sessions import SessionRecord
 from gateway.service import migrations as migrations_module
 from gateway.service.cluster import Cluster
@@ -155,4 +157,37 @@ async def test_a_replaced_migration_never_drops_its_successor(
         ("cancelled", "new_plan"),
         ("cancelled", "session_end"),
     ]
+    control.release.set()
+
+
+async def test_a_knee_ahead_move_rehomes_then_releases_its_move_bounds(
+    executor: MigrationExecutor, control: ControlApi
+) -> None:
+    """The routing core keeps the planner's move state; the executor reports to it: a completed
+    move re-homes the session (the core's homes follow it) and frees its bounds; a cancelled one
+    frees them too, and re-homes nothing."""
+    params = PlannerParams()
+    core = RoutingCore(Router(RoutingParams()), 1000)
+    executor.on_rehome = core.on_moved
+    executor.on_move_end = core.move_ended
+    for sid in ("s1", "s2"):
+        await executor.sessions.put(SessionRecord(sid, created=0.0, last_activity=0.0, home="b", pool="warm"))
+        core.homes.placed(sid, "b", 0.0)
+        core.homes.settled(sid, "b", 1000, 0.0)
+    core.moves = MoveState().started("s1", "b", "a", 0.0, params, 1000)
+    executor.submit(PlanAction(ActionKind.MOVE, "s1", "b", ("a",), pin_ttl_s=30, reason="knee_ahead"), [1, 2])
+    await settle(executor)
+    rec = await executor.sessions.get("s1", 0.0)
+    assert rec is not None and rec.home == "a"
+    assert core.homes.on_engine("a") == ["s1"]
+    assert core.moves.inflight == {} and dict(core.moves.active) == {}
+    assert core.moves.moved_at == {"s1": 0.0}  # the dwell remembers it
+    control.release.clear()
+    core.moves = core.moves.started("s2", "b", "a", 1.0, params, 1000)
+    executor.submit(PlanAction(ActionKind.MOVE, "s2", "b", ("a",), pin_ttl_s=30, reason="knee_ahead"), [1, 2])
+    await asyncio.sleep(0.01)
+    assert core.moves.inflight == {"s2": ("b", "a", 1000)}
+    assert executor.cancel("s2", reason="next_turn_arrived")
+    assert core.moves.inflight == {} and dict(core.moves.active) == {}
+    assert core.homes.on_engine("b") == ["s2"]  # no re-home for a cancelled move
     control.release.set()

@@ -5,13 +5,13 @@ after it) and is in the log lines written while the request runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 
 import httpx
 import pytest
 
-from gateway.local.engines import free_ports
 from gateway.service.request_ids import REQUEST_ID, RequestIdFilter, install_log_filter, take_request_id
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
@@ -24,15 +24,17 @@ def _chat(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
 def test_the_id_is_the_clients_or_made_and_comes_back_on_every_response(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    dead = free_ports(1)[0]
-    with fake_engine("--model", "m") as a:
+    # "gone" answers its first probe (an engine never seen up is not routable), then dies
+    # before the requests that find it
+    with contextlib.ExitStack() as gone_engine, fake_engine("--model", "m") as a:
+        dead = gone_engine.enter_context(fake_engine("--model", "m"))
         cfg = {
             "pools": [
                 {
                     "name": "p",
                     "engines": [
                         {"name": "e0", "url": a, "model": "m"},
-                        {"name": "gone", "url": f"http://127.0.0.1:{dead}", "model": "m"},
+                        {"name": "gone", "url": dead, "model": "m"},
                     ],
                 }
             ],
@@ -60,6 +62,7 @@ def test_the_id_is_the_clients_or_made_and_comes_back_on_every_response(
                 httpx.get(gw.url + "/health", headers={"x-request-id": "h-1"}).headers["x-request-id"]
                 == "h-1"
             )
+            gone_engine.close()
             # a log line written while a request runs names it: the first request sent to the
             # dead engine ejected it (and was retried on e0)
             ids = {f"retry-{i}" for i in range(4)} | {"client-id-1"}

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 
+from gateway.api.errors import to_api_error
 from gateway.core.sessions import SessionRecord
 from gateway.local.engines import free_ports
 from gateway.service.metrics import GatewayMetrics
@@ -184,7 +185,7 @@ async def test_watch_retry_loop_is_bounded(redis_url: str) -> None:
     try:
         with pytest.raises(SessionStoreBusy) as e:
             await store.update("s", 1.0, conflicting)
-        assert (e.value.status, e.value.code, e.value.retry_after) == (503, "session_busy", 1)
+        assert (to_api_error(e.value).status, e.value.code, e.value.retry_after) == (503, "session_busy", 1)
         assert calls == 3 and not store.degraded
         assert (await store.update("s", 1.0, lambda _r: rec("s", 2.0, turns=2))).turns == 2  # type: ignore[union-attr]
     finally:

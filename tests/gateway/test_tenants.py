@@ -8,8 +8,9 @@ import logging
 import orjson
 import pytest
 
+from gateway.api.errors import to_api_error
 from gateway.config import ConfigError, load_config
-from gateway.errors import ApiError
+from gateway.service.errors import NotAuthenticated, NotPermitted
 from gateway.service.tenants import ADMIN, ANONYMOUS, TenantRegistry, key_digest
 
 ACME_KEY = "sk-acme-0123456789"
@@ -61,14 +62,15 @@ def test_missing_or_wrong_key_is_401_and_tenant_key_on_admin_route_403(reg: Tena
         ([(b"authorization", b"Basic abc")], "missing_api_key"),
         (bearer("x" * 10_000), "invalid_api_key"),
     ):
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(NotAuthenticated) as e:
             reg.authenticate(headers)
-        assert (e.value.status, e.value.code) == (401, code)
-        err = orjson.loads(e.value.body())["error"]
+        answer = to_api_error(e.value)  # the edge's rendering
+        assert (answer.status, answer.code) == (401, code)
+        err = orjson.loads(answer.body())["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "authentication_error"
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(NotPermitted) as n:
         reg.require_admin(bearer(ACME_KEY))
-    assert (e.value.status, e.value.code) == (403, "admin_required")
+    assert (to_api_error(n.value).status, n.value.code) == (403, "admin_required")
     reg.require_admin(bearer(ADMIN_KEY))
 
 
@@ -95,9 +97,10 @@ def test_namespaces_and_cache_salts_keep_tenants_apart(reg: TenantRegistry) -> N
 def test_allowed_models(reg: TenantRegistry) -> None:
     acme = reg.authenticate(bearer(ACME_KEY))
     acme.check_model("m")
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(NotPermitted) as e:
         acme.check_model("other")
-    assert (e.value.status, e.value.param, e.value.code) == (403, "model", "model_not_allowed")
+    answer = to_api_error(e.value)
+    assert (answer.status, answer.param, answer.code) == (403, "model", "model_not_allowed")
     reg.authenticate(bearer(BETA_KEY)).check_model("anything")
 
 

@@ -408,9 +408,6 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         assert len(members) >= 3  # API server, EngineCore, worker
 
         assert s.kv_events_endpoint is not None
-        # the KV events say which prefixes the engine holds: loopback only, like its HTTP port
-        assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
-        assert listening_on(s.port) == {"127.0.0.1"}
         subscriber.connect(s.kv_events_endpoint)
         subscriber.setsockopt(zmq.SUBSCRIBE, b"kv-events")
         time.sleep(1.0)  # PUB/SUB drops what is published before the subscription lands
@@ -443,6 +440,11 @@ def test_real_engine_serves_chat_hits_its_prefix_cache_publishes_events_and_stop
         _ts, events, *_ = msgpack.unpackb(payload)
         kinds = {event["type"] if isinstance(event, dict) else event[0] for event in events}
         assert "BlockStored" in kinds, events
+        # the KV events say which prefixes the engine holds: published on loopback only, like
+        # its HTTP port (and bound by the engine: vLLM connects instead for an endpoint without
+        # '*' or '::', and nothing then listens)
+        assert s.kv_events_port is not None and listening_on(s.kv_events_port) == {"127.0.0.1"}
+        assert listening_on(s.port) == {"127.0.0.1"}
     finally:
         subscriber.close(linger=0)
         context.term()

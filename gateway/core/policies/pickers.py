@@ -14,7 +14,9 @@
   capacity_blocks > kv_high``, capacity known; ``EngineView.kv_share``: the unpinned usage, or
   the gateway's in-flight prompt tokens when more) sends it to the cheapest engine where it fits
   (``kv_overflow``: without this, a sticky home collects sessions it cannot hold and preempts,
-  measured in the simulator); a home where the turn would push the KV use past
+  measured in the simulator), unless reloading what that engine lacks takes longer than waiting
+  at home for ``overflow_wait_tokens`` decode steps (room frees there as turns end; a 300K-token
+  context reloaded at 2.3 GB/s takes 17 s); a home where the turn would push the KV use past
   ``decode_kv_high`` (the cost model's decode knee for the interactivity target,
   :meth:`~gateway.core.policies.cost.EngineCost.decode_knee`: every sequence decoding there would
   fall under it) sends it to the engine with the most room under it (the lowest ``kv_share``;
@@ -23,7 +25,13 @@
   exists and the move adds at most ``move_max_s`` to the turn's estimated time to first token
   (the estimate below: the uncached tokens the target lacks and its queue; a move that would
   reload a long context costs the turn more TTFT than the decode speed it protects is worth);
-  a turn too big to stay under anywhere keeps its home. A cold home is re-scored without its
+  a turn too big to stay under anywhere keeps its home. With a cost model and
+  ``knee_output_tokens``, a ``kv_balance`` move is also priced: the decode time it saves over the
+  expected output (``knee_output_tokens`` x the step at home beyond the interactivity target's
+  step ``slo_step_ms``, less the same at the target, each at its KV share with the turn) must
+  exceed the TTFT its reload adds (the context the target
+  lacks at ``move_bytes_per_s``, or recomputed): a long context moved at arrival is reloaded
+  while the user waits, and the planner's ``knee_ahead`` moves it during the tool gap instead. A cold home is re-scored without its
   ``session_affinity`` bonus (``affinity_weight``, the profile's weight): otherwise a home that
   holds nothing of the prompt outscores an engine that holds most of it, as a live client
   showed (score 4.5 with 0 cached tokens over 4.0 with 83% cached). The same two checks apply to a
@@ -56,6 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.core.policies.base import Pick, stable_hash
+from gateway.core.policies.cost import EngineCost
 from gateway.core.types import Candidate, EngineView, RouteRequest, Snapshot
 
 #: The reason a score-based pick reports; the router replaces it with the name of the scorer that
@@ -124,6 +133,17 @@ class StickyBounded:
     without it (0: the totals as scored)."""
     spread_new: bool = True
     """Price a new session's shared-prefix pull against the queue it builds (``new_session_load``)."""
+    cost: EngineCost | None = None
+    """The engine cost model, to price a ``kv_balance`` move (None: not priced)."""
+    knee_output_tokens: int = 0
+    """Expected output of a turn: a ``kv_balance`` move is made only when the decode time it saves
+    over this many tokens exceeds the TTFT its reload adds (0: not priced)."""
+    slo_step_ms: float = 0.0
+    overflow_wait_tokens: int = 0
+    """A ``kv_overflow`` move is made only when its reload takes less than this many decode
+    steps at home (0: always)."""
+    """The decode step of the interactivity target (1000 / tok/s): only decode time beyond it
+    counts as saved."""
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
@@ -146,7 +166,49 @@ class StickyBounded:
         room = [c for c in candidates if _fits(views[c.engine], req, self.kv_high)]
         if not room:
             return None
-        return Pick(min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total)), "kv_overflow")
+        target = min(room, key=lambda c: (self._cost(req, snap, c.engine), -c.total))
+        if not self._worth_leaving(req, snap, views[natural.engine], natural.engine, target.engine):
+            return None
+        return Pick(target, "kv_overflow")
+
+    def _worth_leaving(self, req: RouteRequest, snap: Snapshot, here: EngineView, stay: str, go: str) -> bool:
+        """For ``kv_overflow``: whether reloading the context ``go`` lacks (at ``move_bytes_per_s``)
+        takes less than waiting at ``stay`` for ``overflow_wait_tokens`` decode steps (room frees
+        as the turns there end). Always, without a cost model or with 0 tokens."""
+        cost, wait_tokens = self.cost, self.overflow_wait_tokens
+        if cost is None or wait_tokens <= 0:
+            return True
+        extra = max(0, _cached_tokens(req, snap, stay) - _cached_tokens(req, snap, go))
+        reload_s = cost.move_s(extra) if cost.move_bytes_per_s > 0 else cost.prefill_s(extra)
+        wait_s = wait_tokens * cost.decode_step_ms(min(1.0, here.kv_share(max(1, req.block_size)))) / 1000.0
+        return reload_s < wait_s
+
+    def _pays(
+        self, req: RouteRequest, snap: Snapshot, views: dict[str, EngineView], stay: str, go: str
+    ) -> bool:
+        """Whether moving the turn from ``stay`` to ``go`` saves more decode time over
+        ``knee_output_tokens`` than the TTFT its reload adds. Decode time saved: per token, the
+        step at ``stay``'s KV share with the turn beyond the target step ``slo_step_ms``, less
+        the same at ``go``. Reload: the context ``go`` lacks and ``stay`` holds, loaded at
+        ``move_bytes_per_s`` (recomputed when no tier moves KV: ``move_bytes_per_s`` 0)."""
+        cost, out = self.cost, self.knee_output_tokens
+        if cost is None or out <= 0:
+            return True
+        bs = max(1, req.block_size)
+        blocks = -(-req.prompt_tokens // bs)
+
+        def u(e: EngineView) -> float:
+            return e.kv_share(bs) + (blocks / e.capacity_blocks if e.capacity_blocks > 0 else 0.0)
+
+        slo = self.slo_step_ms
+
+        def late_ms(e: EngineView) -> float:
+            return max(0.0, cost.decode_step_ms(u(e)) - slo)
+
+        saved_s = out * (late_ms(views[stay]) - late_ms(views[go])) / 1000.0
+        extra = max(0, _cached_tokens(req, snap, stay) - _cached_tokens(req, snap, go))
+        reload_s = cost.move_s(extra) if cost.move_bytes_per_s > 0 else cost.prefill_s(extra)
+        return reload_s < saved_s
 
     def _below_knee(
         self,
@@ -167,6 +229,7 @@ class StickyBounded:
             for c in candidates
             if _fits(views[c.engine], req, self.decode_kv_high)
             and self._cost(req, snap, c.engine) - stay <= self.move_max_s
+            and self._pays(req, snap, views, natural.engine, c.engine)
         ]
         if not room:
             return None
