@@ -2,9 +2,11 @@
 each exchange, every engine's prefix-cache hits, the session as the session API shows it and the
 serving engine's device pin; and the checks of a session's turns.
 
-A harness runs its loop one request at a time (a tool runs between two turns; a subagent runs
-while its parent waits for it), so an engine's hits during an exchange are that request's: the
-recorder fails a run in which two requests overlapped.
+The recorder relays one request at a time, so an engine's hits during an exchange are that
+request's. A harness mostly runs its loop that way (a tool runs between two turns; a subagent runs
+while its parent waits for it); where two requests do overlap (Codex's parent sends its next turn,
+the `wait_agent` call, while the subagent it just spawned sends its first), the later one waits
+at the recorder for the earlier one's answer, and `queued` counts it.
 """
 
 from __future__ import annotations
@@ -85,9 +87,10 @@ class LoopRecorder:
         self.target = target
         self.engines = dict(engines)
         self.exchanges: list[Exchange] = []
-        self.max_overlap = 0
-        self._inflight = 0
+        self.queued = 0
+        """Requests that arrived while another was being relayed (and waited for it)."""
         self._lock = threading.Lock()
+        self._one_at_a_time = threading.Lock()
         self._http = httpx.Client(base_url=target, timeout=TIMEOUT_S)
         recorder = self
 
@@ -98,15 +101,22 @@ class LoopRecorder:
                 n = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(n) if n else b""
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                ex = recorder._before(self.command, self.path, headers, body)
+                if not recorder._one_at_a_time.acquire(blocking=False):
+                    with recorder._lock:
+                        recorder.queued += 1
+                    recorder._one_at_a_time.acquire()
                 try:
-                    up = recorder._http.request(self.command, self.path, headers=headers, content=body)
+                    ex = recorder._before(self.command, self.path, headers, body)
+                    try:
+                        up = recorder._http.request(self.command, self.path, headers=headers, content=body)
+                    finally:
+                        recorder._after(ex)
+                    ex.status = up.status_code
+                    ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
+                    ex.response = up.content
+                    recorder._observe(ex)
                 finally:
-                    recorder._after(ex)
-                ex.status = up.status_code
-                ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
-                ex.response = up.content
-                recorder._observe(ex)
+                    recorder._one_at_a_time.release()
                 self.send_response(up.status_code)
                 for k, v in up.headers.items():
                     if k.lower() not in _HOP:
@@ -129,9 +139,6 @@ class LoopRecorder:
         return {n: engine_metric(e.url, "vllm:prefix_cache_hits_total") for n, e in self.engines.items()}
 
     def _before(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Exchange:
-        with self._lock:
-            self._inflight += 1
-            self.max_overlap = max(self.max_overlap, self._inflight)
         ex = Exchange(method, path, {k.lower(): v for k, v in headers.items()}, body, time.monotonic())
         ex.hits = self._hits()
         with self._lock:
@@ -142,8 +149,6 @@ class LoopRecorder:
         after = self._hits()
         ex.hits = {n: after[n] - ex.hits[n] for n in after}
         ex.ended = time.monotonic()
-        with self._lock:
-            self._inflight -= 1
 
     def _observe(self, ex: Exchange) -> None:
         sid = ex.session

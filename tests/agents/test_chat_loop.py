@@ -86,7 +86,7 @@ def test_chat_completions_harness_runs_a_scripted_loop(
 
     assert calls == [(s.tool, s.args) for s in steps[:-1]]
     assert message.content == "The marker is MARKER-c4a7f00d."
-    assert recorder.max_overlap == 1
+    assert recorder.queued == 0
     sessions = recorder.sessions()
     assert list(sessions) == ["chat-loop-1"]
     turns = sessions["chat-loop-1"]

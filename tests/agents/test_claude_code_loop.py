@@ -101,7 +101,7 @@ def test_claude_code_runs_a_scripted_agent_loop_with_a_subagent(
     assert [(e.route, e.status) for e in recorder.exchanges] == [("/v1/messages", 200)] * (
         len(steps) + len(sub)
     )
-    assert recorder.max_overlap == 1
+    assert recorder.queued == 0  # one request at a time, subagent included
     main_id = recorder.exchanges[0].headers["x-claude-code-session-id"]
     agent_id = next(
         e.headers["x-claude-code-agent-id"]
