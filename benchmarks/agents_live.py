@@ -33,8 +33,9 @@ as they come and records, per request, the time to the first event that carries 
 the harness sees it, router included). Per target and repeat: task completion time p50/p90
 (each session's wall time), per-turn TTFT p50/p90, cached-token share and recomputed tokens
 (the engines' ``vllm:prompt_tokens_by_source_total``), engine balance (the busiest engine's
-prompt tokens over the mean), pins (engine_ext's device pins made) and moves (the gateway's
-migrations). The table shows each figure's median over the repeats and its spread (min-max).
+prompt tokens over the mean), pins (engine_ext's device pins made) and KV actions (the
+gateway's completed inter-turn actions, ``agentgw_migrations_total``: a pin for the tool gap
+(``stay``) as well as moves, demotions, replications and releases). The table shows each figure's median over the repeats and its spread (min-max).
 
 vllm-router comes from scripts/bench-setup.sh (``.bench-venv``); the harnesses from
 scripts/setup.sh.
@@ -518,7 +519,7 @@ COLUMNS = (
     ("recomputed_ktok", "recomputed Ktok", "{:.1f}"),
     ("balance", "balance", "{:.2f}"),
     ("pins", "pins", "{:.0f}"),
-    ("moves", "moves", "{:.0f}"),
+    ("moves", "KV actions", "{:.0f}"),
     ("completed", "completed", "{:.2f}"),
 )
 
