@@ -352,6 +352,17 @@ def _seed_run(task: tuple[int, int, str, int, int, float, str, dict[str, Any]]) 
     return row
 
 
+def _progress(row: dict[str, Any], i: int, total: int) -> dict[str, Any]:
+    """One finished run of a seed grid, on stderr as it ends (a long grid shows its rows early)."""
+    print(
+        f"[{i + 1}/{total}] seed {row['seed']} {row['label']}: p90 {row['ttft_p90_ms']:.0f} "
+        f"p99 {row['ttft_p99_ms']:.0f} P90 {row['interactivity_p90']:.1f} moves {row['migrations']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
 def _median(xs: Sequence[float]) -> float:
     ys = sorted(x for x in xs if x == x)
     if not ys:
@@ -381,9 +392,9 @@ def seed_grid(
         import multiprocessing
 
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            rows = pool.map(_seed_run, tasks, chunksize=1)
+            rows = [_progress(r, i, len(tasks)) for i, r in enumerate(pool.imap(_seed_run, tasks))]
     else:
-        rows = [_seed_run(t) for t in tasks]
+        rows = [_progress(_seed_run(t), i, len(tasks)) for i, t in enumerate(tasks)]
     out: dict[str, dict[str, dict[str, Any]]] = {}
     it = iter(rows)
     cols = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "interactivity_p90", "tpgs", "migrations")

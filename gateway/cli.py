@@ -88,6 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--warm", type=int, metavar="W", help="local warm engines: with --first-turn F, --engines F+W"
     )
+    serve.add_argument(
+        "--store",
+        choices=("none", "host", "mooncake"),
+        default="host",
+        help="local engines' KV store: host (default: engine_ext's host tier, device pins and its "
+        "control API), mooncake (plus a shared Mooncake tier on a local mooncake_master), none "
+        "(plain vLLM engines)",
+    )
+    serve.add_argument(
+        "--sessions",
+        choices=("memory", "redis"),
+        default="memory",
+        help="session store: memory (default), redis (a local redis-server, started here)",
+    )
     _add_plan(sub)
     args = parser.parse_args(argv)
     if args.command == "plan":
@@ -120,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentgw: {exc}", file=sys.stderr)
         return 2
     if config.pools or config.discovery.file is not None:
-        if args.engines is not None or args.first_turn is not None or args.warm is not None:
+        local = (args.engines, args.first_turn, args.warm)
+        if any(v is not None for v in local) or args.store != "host" or args.sessions != "memory":
             print(
-                "agentgw: --engines/--first-turn/--warm start local engines: not with pools", file=sys.stderr
+                "agentgw: --engines/--first-turn/--warm/--store/--sessions start local engines: "
+                "not with pools",
+                file=sys.stderr,
             )
             return 2
         # uvicorn re-raises the signal that stopped it once it has drained and shut down: here
@@ -183,23 +200,26 @@ def _serve_embedded(
     """No pools configured: start local engines on the tiny model and front them. The gateway
     listens while they start (gateway/local/startup.py says what they are doing every 10 s);
     an engine that fails to start stops the gateway, and the exit status is 1."""
-    from gateway.local.embedded import DEFAULT_HOME, plan_local_engines, stop_all
-    from gateway.local.engines import EngineError, LocalEngine
+    from gateway.local.embedded import DEFAULT_HOME, LocalStack, plan_local_stack
+    from gateway.local.engines import EngineError
     from gateway.local.startup import EngineStartup, where_to_point
 
     previous = signal.signal(signal.SIGTERM, _terminate)
-    engines: list[LocalEngine] = []
+    stack: LocalStack | None = None
     startup: EngineStartup | None = None
     try:
         _say(f"preparing the tiny model in {DEFAULT_HOME / 'models'}")
-        specs, data = plan_local_engines(layout)
-        config = load_config(args.config, **data, **routing, **overrides)
+        stack = plan_local_stack(layout, store=args.store, sessions=args.sessions)
+        specs = stack.specs
+        config = load_config(args.config, **stack.config, **routing, **overrides)
         url = f"http://{config.listen.host}:{config.listen.port}"
         logs = specs[0].log_path.parent
-        engines = [LocalEngine(spec) for spec in specs]
         model = specs[0].served_model_name
-        startup = EngineStartup(engines, _say, where_to_point(url, model, logs))
-        _say(f"starting {layout.engines} local vLLM engines ({layout.label}); logs in {logs}")
+        startup = EngineStartup(stack.engines, _say, where_to_point(url, model, logs))
+        _say(
+            f"starting {layout.engines} local vLLM engines ({layout.label}, store {args.store}, "
+            f"sessions {args.sessions}); logs in {logs}"
+        )
         startup.start()
         _say(f"gateway on {url}: /ready answers 503 until the engines are up (about 1-2 minutes)")
 
@@ -214,7 +234,8 @@ def _serve_embedded(
         _serve_app(config, args.log_level, engine_notes=notes, on_server=attach)
     except KeyboardInterrupt:
         pass
-    except (EngineError, ConfigError) as exc:
+    except (EngineError, ConfigError, FileNotFoundError, RuntimeError, TimeoutError) as exc:
+        # FileNotFoundError: mooncake_master or redis-server missing (the message says how to install)
         _say(str(exc))
         return 1
     finally:
@@ -223,7 +244,8 @@ def _serve_embedded(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if startup is not None:
             startup.stop()
-        stop_all(engines)
+        if stack is not None:
+            stack.stop()
         signal.signal(signal.SIGTERM, previous)
     return 1 if startup is not None and startup.error is not None else 0
 

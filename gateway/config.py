@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.core.planner import PlannerParams
-from gateway.core.router import RoutingParams
+from gateway.core.router import RoutingParams, with_planner
 
 PoolRole = Literal["first_turn", "warm", "any"]
 
@@ -169,10 +169,12 @@ class RoutingConfig(_Strict):
     this many output tokens (the step beyond 1000 / ``interactivity_tok_s`` ms, at home less at
     the target) exceeds the time to reload the context the target lacks (at
     ``move_bytes_per_s``). 0: any move (for short tool gaps, where the planner cannot move a
-    session ahead of its turn)."""
+    session ahead of its turn). Unset, it is 0 unless the planner moves sessions during their
+    tool gaps (``migration.enabled`` and an engine with a ``control_url``): then 30."""
     overflow_wait_tokens: int = Field(_ROUTING.overflow_wait_tokens, ge=0)
     """A turn its home cannot hold moves (``kv_overflow``) only when reloading what the target
-    lacks takes less than this many decode steps at home; else it waits there. 0: always move."""
+    lacks takes less than this many decode steps at home; else it waits there. 0: always move.
+    Unset, it is 0 unless the planner moves sessions during their tool gaps: then 222."""
     prefill_s_per_token: float = Field(_ROUTING.prefill_s_per_token, ge=0)
     queue_s_per_request: float = Field(_ROUTING.queue_s_per_request, ge=0)
     cold_home_no_affinity: bool = _ROUTING.cold_home_no_affinity
@@ -470,6 +472,25 @@ class GatewayConfig(BaseSettings):
             raise ValueError(f"tenant names must be unique, got {tenants}")
         self.session_quotas()  # raises when the tenants' quotas do not fit sessions.capacity
         return self
+
+    def router_params(self) -> RoutingParams:
+        """The router's parameters: the ``routing`` section's, with the arrival-time moves priced
+        for the planner (:func:`gateway.core.router.with_planner`) where it moves sessions during
+        their tool gaps (``migration.enabled`` and an engine with a ``control_url``), for each of
+        ``knee_output_tokens`` / ``overflow_wait_tokens`` the configuration does not set."""
+        p = self.routing.params()
+        if not (self.migration.enabled and any(e.control_url for pl in self.pools for e in pl.engines)):
+            return p
+        planned, given = with_planner(p), self.routing.model_fields_set
+        return dataclasses.replace(
+            p,
+            knee_output_tokens=p.knee_output_tokens
+            if "knee_output_tokens" in given
+            else planned.knee_output_tokens,
+            overflow_wait_tokens=(
+                p.overflow_wait_tokens if "overflow_wait_tokens" in given else planned.overflow_wait_tokens
+            ),
+        )
 
     def session_quotas(self) -> dict[str, int]:
         """Each tenant's ``max_sessions`` (unset ones share what the set ones leave of

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from gateway.config import MigrationConfig, RoutingConfig
+from gateway.config import GatewayConfig, MigrationConfig, RoutingConfig, load_config
 from gateway.core.planner import PlannerParams
-from gateway.core.router import DEFAULT_WEIGHTS, Router, RoutingParams
+from gateway.core.router import (
+    DEFAULT_WEIGHTS,
+    PLANNED_KNEE_OUTPUT_TOKENS,
+    PLANNED_OVERFLOW_WAIT_TOKENS,
+    Router,
+    RoutingParams,
+    with_planner,
+)
 
 
 def test_the_routing_section_is_the_routers_params_with_its_defaults() -> None:
@@ -32,3 +39,24 @@ def test_a_weight_left_out_takes_its_one_default() -> None:
     partial = Router(RoutingParams(weights={"queue": 1.0})).profile
     assert [w.weight for w in full.scorers] == [w.weight for w in partial.scorers]
     assert RoutingConfig(weights={"kv_usage": 0.0}).params().weights == {"kv_usage": 0.0}
+
+
+def _config(control_url: str | None, **sections: object) -> GatewayConfig:
+    engine = {"name": "a", "url": "http://a:1", "model": "m", "control_url": control_url}
+    return load_config(None, pools=[{"name": "p", "engines": [engine]}], **sections)
+
+
+def test_the_router_prices_arrival_moves_where_the_planner_moves_sessions_ahead() -> None:
+    planned = (PLANNED_KNEE_OUTPUT_TOKENS, PLANNED_OVERFLOW_WAIT_TOKENS)
+    priced = _config("http://a:2").router_params()
+    assert (priced.knee_output_tokens, priced.overflow_wait_tokens) == planned
+    assert priced == with_planner(RoutingConfig().params())
+    # no engine the planner can move sessions on, or the planner off: the routing section as set
+    assert _config(None).router_params() == RoutingConfig().params()
+    off = _config("http://a:2", migration={"enabled": False}).router_params()
+    assert off == RoutingConfig().params()
+    # a value the configuration sets is kept, 0 included
+    own = _config("http://a:2", routing={"knee_output_tokens": 0, "overflow_wait_tokens": 50})
+    assert (own.router_params().knee_output_tokens, own.router_params().overflow_wait_tokens) == (0, 50)
+    half = _config("http://a:2", routing={"knee_output_tokens": 7}).router_params()
+    assert (half.knee_output_tokens, half.overflow_wait_tokens) == (7, PLANNED_OVERFLOW_WAIT_TOKENS)

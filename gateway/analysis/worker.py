@@ -23,21 +23,27 @@ and is started again at once (after a growing delay if it died before it was rea
 that cannot start does not spin); requests meanwhile fail with :class:`WorkerDied` too. The
 worker exits when the gateway closes its end, which the gateway's lifespan does, or the kernel
 when the gateway dies. It ignores SIGINT and SIGTERM, so a Ctrl-C or a SIGTERM sent to the whole
-process group leaves it serving the requests the gateway drains. Marshal is safe here: both
-ends are this program.
+process group leaves it serving the requests the gateway drains. For the same reason
+``multiprocessing``'s exit handler, which SIGTERMs daemonic children and then joins them, would
+wait for ever on a worker whose gateway never ran its lifespan's shutdown (an embedding process
+that exits with the gateway still up): an exit handler registered after it, so run before it,
+kills the workers still running. Marshal is safe here: both ends are this program.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import marshal
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import socket
 import struct
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Sequence
@@ -66,6 +72,23 @@ _LEN = struct.Struct("<I")
 _READ_CHUNK = 1 << 18
 _RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 """Seconds before restarting a worker that died before it was ready, by attempt."""
+
+_LIVE: weakref.WeakSet[multiprocessing.process.BaseProcess] = weakref.WeakSet()
+"""Worker processes started and not yet reaped, for :func:`_kill_leftovers`."""
+
+
+def _kill_leftovers() -> None:
+    """At interpreter exit, before ``multiprocessing``'s own handler (``multiprocessing.util`` is
+    imported above, so its handler was registered first and runs last): kill the workers still
+    running, which ignore the SIGTERM that handler sends and would make its join wait for ever."""
+    for proc in list(_LIVE):
+        with contextlib.suppress(Exception):
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5.0)
+
+
+atexit.register(_kill_leftovers)
 
 
 class WorkerDied(Exception):
@@ -253,6 +276,7 @@ class AnalysisWorker:
             proc.start()
         finally:
             theirs.close()  # the child has its own copy: EOF here when it exits
+        _LIVE.add(proc)
         ours.setblocking(False)
         self._proc = proc
         self._sock: socket.socket | None = ours

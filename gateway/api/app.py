@@ -132,7 +132,7 @@ def create_app(
         upstream = make_upstream(config, transport)
         cluster = Cluster(config, upstream.http)
         metrics = GatewayMetrics()
-        router = Router(config.routing.params())
+        router = Router(config.router_params())
         s = config.sessions
         quotas = config.session_quotas()  # per tenant: auth.tenants[].max_sessions
         sessions: SessionStore = (

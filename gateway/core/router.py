@@ -23,7 +23,7 @@ Profiles:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.core.policies.base import Picker, Profile, Weighted
 from gateway.core.policies.cost import EngineCost
@@ -124,6 +124,27 @@ class RoutingParams:
     split_interference_weight: float = 1.0
     weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     """Scorer weights of the ``agentic`` profile (missing ones: :data:`DEFAULT_WEIGHTS`)."""
+
+
+PLANNED_KNEE_OUTPUT_TOKENS = 30
+"""``knee_output_tokens`` where the planner moves sessions during their tool gaps."""
+PLANNED_OVERFLOW_WAIT_TOKENS = 222
+"""``overflow_wait_tokens`` where the planner moves sessions during their tool gaps."""
+
+
+def with_planner(p: RoutingParams) -> RoutingParams:
+    """The router's parameters where the planner moves sessions during their tool gaps
+    (``knee_ahead``): the arrival-time ``kv_balance`` and ``kv_overflow`` moves priced against
+    their reload (``PLANNED_KNEE_OUTPUT_TOKENS``, ``PLANNED_OVERFLOW_WAIT_TOKENS``), where
+    ``p`` leaves them unpriced (0). The turns still past the knee at arrival are then the ones
+    the planner could not move, and reloading them while the user waits set the TTFT tail:
+    on AgentX-shaped plays, 8 workers, 8 lanes, the unpriced moves more than doubled p99 TTFT
+    (docs/benchmarks_sim.md, "AgentX-shaped plays: moving KV during the tool gap")."""
+    return replace(
+        p,
+        knee_output_tokens=p.knee_output_tokens or PLANNED_KNEE_OUTPUT_TOKENS,
+        overflow_wait_tokens=p.overflow_wait_tokens or PLANNED_OVERFLOW_WAIT_TOKENS,
+    )
 
 
 def _w(p: RoutingParams, name: str) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gateway.core.planner import PlannerParams
 from gateway.core.roles import RoleParams
-from gateway.core.router import RoutingParams, engine_cost
+from gateway.core.router import RoutingParams, engine_cost, with_planner
 from gateway.sim.calibration import ENGINES
 from gateway.sim.cluster import SimConfig, Simulator, simulate
 from gateway.sim.engine import EngineConfig
@@ -76,6 +76,8 @@ def run_one(
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
     routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
+    if "planner" in flags:  # as the gateway routes where it runs the planner
+        routing = with_planner(routing)
     home_load = HOME_LOAD_WEIGHT if "bal" in flags else 0.0
     routing = replace(routing, weights={**routing.weights, "home_load": home_load})
     if "intf" in flags:

@@ -333,3 +333,28 @@ def test_an_arena_with_no_free_slot_sends_through_the_socket() -> None:
         assert again is not None and again[1] == got[0][1]
     finally:
         arena.close()
+
+
+_LEFT_UP = """
+import sys
+from gateway.analysis.worker import AnalysisWorker
+
+w = AnalysisWorker([("m", sys.argv[1], 128, "0", True)], 1 << 20)
+w._proc.join(2.0)  # started (no event loop here: not waited for ready)
+print(w._proc.pid, flush=True)
+"""
+
+
+def test_a_process_that_exits_with_a_worker_left_running_does_not_wait_for_it(tiny_llama: Path) -> None:
+    """A worker ignores SIGTERM (it serves the gateway's drain), and the only worker end of the
+    socket stays open while the module keeps `w`: multiprocessing's exit handler (SIGTERM, then
+    join) would wait for ever; the worker module's own handler kills it first."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_UP, str(tiny_llama)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid = int(done.stdout.split()[0])
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

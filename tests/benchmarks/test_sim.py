@@ -421,3 +421,21 @@ def test_a_seed_grid_reports_the_median_of_each_column_over_the_seeds(tmp_path):
         assert runs[policy]["median"]["ttft_p90_ms"] == p90[1]
     # the seeds are different plays
     assert len({r["requests"] for r in runs["precise_prefix"]["seeds"]}) > 1
+
+
+def test_planner_policies_route_as_the_gateway_does_where_it_runs_the_planner():
+    from gateway.core.router import PLANNED_KNEE_OUTPUT_TOKENS, PLANNED_OVERFLOW_WAIT_TOKENS
+    from gateway.sim.metrics import ideal_hits_by_request
+    from gateway.sim.runs import LAST_SIMS, run_one
+
+    plays = synth_agentx(2, seed=1)
+    ideal = ideal_hits_by_request(plays)
+    priced = (PLANNED_KNEE_OUTPUT_TOKENS, PLANNED_OVERFLOW_WAIT_TOKENS)
+    for policy, want in (
+        ("agentic+hints", (0, 0)),
+        ("agentic+hints+planner", priced),
+        ("agentic+hints+planner+kneefree+ovffree", (0, 0)),
+    ):
+        run_one(plays, ideal, policy, 2, 2, 1.0, "dynamo-mocker")
+        r = LAST_SIMS.pop(policy).cfg.routing
+        assert (r.knee_output_tokens, r.overflow_wait_tokens) == want, policy
