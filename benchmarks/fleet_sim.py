@@ -226,9 +226,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep_s, delay_s, loss_s = args.big_point.split(",")
         plays = plays_for(base, args.big, args.lanes_per_engine)
         ideal_hits = ideal_hits_by_request(plays)
+        big_ideal = run(args.big, plays, ideal_hits, FleetConfig(1, 0.0, 0.0, 0.0, 0.0))
+        print(row(big_ideal, None) + " ideal", flush=True)
+        shared = bool(_ints(args.shared_load)[0])
         for kind in args.big_indexes.split(","):
-            f = FleetConfig(int(rep_s), float(delay_s), float(loss_s), lat, _floats(args.scrapes)[0], kind)
-            print(row(run(args.big, plays, ideal_hits, f), None), flush=True)
+            f = FleetConfig(
+                int(rep_s),
+                float(delay_s),
+                float(loss_s),
+                lat,
+                _floats(args.scrapes)[0],
+                kind,
+                on_gap=args.on_gap,
+                shared_load=shared,
+            )
+            print(row(run(args.big, plays, ideal_hits, f), big_ideal), flush=True)
             (out / "fleet.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "fleet_reuse_ttft.png")
     print(f"wrote {out / 'fleet.json'} and {out / 'fleet_reuse_ttft.png'}")
