@@ -65,7 +65,7 @@ import httpx
 
 from benchmarks._common import ManagedProcess, free_port, percentile, wait_http_ok
 from benchmarks.overhead import _default_vllm_router_bin
-from gateway.core.hints import HEADER_NAMES
+from gateway.core.hints import HEADER_NAMES, HINT_BODY_KEYS
 from gateway.local.agent_script import AGENT_MODEL, Step, script_text
 from gateway.local.embedded import LocalStack, start_local_stack
 from gateway.local.harness import (
@@ -88,17 +88,6 @@ TARGETS = (
 )
 BLOCK = 128
 SESSION_TIMEOUT_S = 900
-#: Body keys that carry hints and nothing of the prompt (gateway/core/hints.py reads them).
-HINT_BODY_KEYS = (
-    "agent_hints",
-    "nvext",
-    "vllm_xargs",
-    "session_id",
-    "metadata",
-    "client_metadata",
-    "prompt_cache_key",
-    "user",
-)
 #: The first server-sent event of an answer that carries output, per API.
 _FIRST_OUTPUT = re.compile(
     rb"event: (content_block_start|response\.output_item\.added)|\"delta\": ?\{\"(content|tool_calls)\""

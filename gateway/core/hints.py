@@ -265,7 +265,8 @@ HEADER_NAMES = HINT_HEADERS | {
     "x-openai-subagent",
     "x-correlation-id",
 }
-_BODY_KEYS = (
+#: Body keys that carry hints (of any dialect) and nothing of the prompt.
+HINT_BODY_KEYS = (
     "agent_hints",
     "nvext",
     "vllm_xargs",
@@ -448,7 +449,7 @@ NO_HINTS = AgentHints()
 def parse_hints(headers: Mapping[str, str], body: Mapping[str, Any]) -> AgentHints:
     """Collect hints from every dialect. ``headers`` has lowercase names (only the hint headers
     matter; see ``HEADER_NAMES``)."""
-    if not headers and not any(k in body for k in _BODY_KEYS):
+    if not headers and not any(k in body for k in HINT_BODY_KEYS):
         return NO_HINTS
     b = _Builder()
     ah = body.get("agent_hints")
