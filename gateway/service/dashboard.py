@@ -15,7 +15,6 @@ Rates (requests/s, prefix-cache hit rate, TTFT mean and p95) are differences bet
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -33,6 +32,7 @@ from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind
 from gateway.core.types import Medium
 from gateway.service.responses import is_owner_key
+from gateway.service.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService
@@ -222,11 +222,8 @@ class DashboardHistory:
         self._task = asyncio.create_task(self._loop(), name="dashboard-history")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
 
 # -- the snapshot ------------------------------------------------------------------------------

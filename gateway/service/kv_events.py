@@ -18,7 +18,6 @@ matches come back as its engines store new blocks). ``coverage()`` says so, for 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -29,6 +28,7 @@ import zmq.asyncio
 
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.types import Medium
+from gateway.service.tasks import cancel_and_wait
 
 log = logging.getLogger("agentgw.kv_events")
 
@@ -97,10 +97,7 @@ class KvEventSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.engine}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         sock = self.ctx.socket(zmq.SUB)

@@ -11,8 +11,9 @@ ejects at once). Bounded: one slot per beat over ``window_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
+
+from gateway.service.tasks import cancel_and_wait
 
 
 class LoopLag:
@@ -63,7 +64,4 @@ class LoopLag:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

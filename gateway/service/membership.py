@@ -22,7 +22,6 @@ replica applies its own copy: give every replica the same file (or call each one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, PoolConfig
 from gateway.service.kv_events import KvEventSubscriber
+from gateway.service.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from gateway.service.gateway import GatewayService
@@ -172,11 +172,8 @@ class Membership:
             self._task = asyncio.create_task(self._watch(), name="discovery")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     def _stat(self) -> float | None:
         path = self.svc.config.discovery.file

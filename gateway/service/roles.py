@@ -12,7 +12,6 @@ engines serve both already).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from gateway.config import RoutingConfig
 from gateway.core.roles import EngineLoad, RoleChange, RoleController, RoleParams
 from gateway.core.types import PoolRole
 from gateway.service.cluster import Cluster
+from gateway.service.tasks import cancel_and_wait
 
 __all__ = ["RoleDriver", "role_params"]
 
@@ -75,8 +75,5 @@ class RoleDriver:
             self._task = asyncio.create_task(self._loop(), name="roles")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.core.load import EngineCounts, InflightLoad
+from gateway.service.tasks import cancel_and_wait
 
 __all__ = ["SharedLoad"]
 
@@ -131,11 +132,8 @@ class SharedLoad:
         self._task = asyncio.create_task(self._run(), name="shared-load")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         with contextlib.suppress(Exception):
             await self.redis.delete(self.key)
             await self.redis.zrem(self.registry, self.replica)
