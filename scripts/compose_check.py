@@ -241,15 +241,19 @@ class Stack:
                 sticky += float(value)
         return served, sticky
 
-    def access_log(self) -> dict[str, list[str]]:
-        """nginx's access log in the balancer container: request id -> the upstreams it tried."""
-        out = subprocess.run(
-            ["docker", "exec", self.container("balancer"), "cat", NGINX_LOG],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        return {rid: ups.split(", ") for rid, ups, _status in _ACCESS.findall(out)}
+    def access_log(self, rids: list[str]) -> dict[str, list[str]]:
+        """nginx's access log in the balancer container, in order: request id -> the upstreams it
+        tried; once it holds ``rids`` (nginx writes a line when it has sent the response)."""
+        cid = self.container("balancer")
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(
+                ["docker", "exec", cid, "cat", NGINX_LOG], check=True, capture_output=True, text=True
+            ).stdout
+            log = {rid: ups.split(", ") for rid, ups, _status in _ACCESS.findall(out)}
+            if all(r in log for r in rids) or time.monotonic() > deadline:
+                return log
+            time.sleep(0.2)
 
     def session(self, addr: str, session: str) -> dict[str, Any]:
         r = self.http.get(
@@ -392,8 +396,10 @@ class Turn:
 def replicas_check(stack: Stack) -> None:
     t0 = time.monotonic()
     stack.wait_replicas()
+    restarts = {svc: stack.inspect(stack.container(svc), "{{.RestartCount}}") for svc in FLEET}
     print(
-        f"compose_check: {len(REPLICAS)} replicas and nginx ready after {time.monotonic() - t0:.0f} s",
+        f"compose_check: {len(REPLICAS)} replicas and nginx ready after {time.monotonic() - t0:.0f} s "
+        f"(container restarts {restarts})",
         flush=True,
     )
     bare = stack.http.post(
@@ -489,7 +495,7 @@ def replicas_check(stack: Stack) -> None:
     # ---- two rounds on 3 replicas ----
     before = {a: stack.replica_counters(a) for a in stack.replicas}
     played = play(0) + play(1)
-    log = stack.access_log()
+    log = stack.access_log([t.rid for t in played])
     account(played, log, before)
     spread = {a: sum(1 for t in played if t.replica == a) for a in stack.replicas}
     expect(all(spread.values()), f"nginx did not spread the turns over every replica: {spread}")
@@ -507,7 +513,7 @@ def replicas_check(stack: Stack) -> None:
     # ---- a replica stopped: the one that served session 0's last turn ----
     victim = turns[sessions[0]][-1].replica
     service = REPLICAS[stack.replicas.index(victim)]
-    its = [s for s in sessions if any(t.replica == victim for t in turns[s])]
+    its = [s for s in sessions if any(t.replica == victim for t in turns[s])]  # session 0 at least
     live = [a for a in stack.replicas if a != victim]
     before = {a: stack.replica_counters(a) for a in live}
     logged = len(log)
@@ -517,14 +523,13 @@ def replicas_check(stack: Stack) -> None:
     expect(code == "exited 0", f"{service} after docker stop: {code} (a clean stop exits 0)")
     expect(not stack.answers(f"http://{victim}/health"), f"{service} still answers after docker stop")
     played = play(2) + play(3)
-    log = stack.access_log()
+    log = stack.access_log([t.rid for t in played])
     account(played, log, before)
     expect(all(t.replica != victim for t in played), f"a request answered by the stopped {service}")
     after = list(log.values())[logged:]
     skipped = [ups for ups in after if ups[0] == victim and len(ups) > 1 and ups[-1] in live]
     expect(bool(skipped), f"nginx sent nothing to the stopped {victim} and on to another: {after}")
-    on_home(played)
-    expect(bool(its), f"no session had a turn on {service}")
+    on_home(played)  # every session's later turns, those of the stopped replica's sessions among them
     homes_agree(live, 4)
     print(
         f"compose_check: {service} stopped (exit 0); nginx resent {len(skipped)} request(s) it "
@@ -534,7 +539,8 @@ def replicas_check(stack: Stack) -> None:
         flush=True,
     )
 
-    # ---- the profile down: a clean stop of each container, then removed ----
+    # ---- the profile down: a clean stop of each container (nginx first: it depends on the
+    # replicas), then removed; the cpu profile keeps running ----
     stack.compose("stop", *FLEET)
     codes = {svc: stack.inspect(stack.container(svc), "{{.State.ExitCode}}") for svc in FLEET}
     expect(set(codes.values()) == {"0"}, f"exit codes after docker-compose stop: {codes}")
