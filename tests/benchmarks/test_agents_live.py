@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table
+from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.local.agent_script import find_script, messages
 
 
@@ -83,6 +84,21 @@ def test_the_meter_relays_times_the_first_output_and_strips_hints_when_asked() -
     assert "x-claude-code-session-id" not in h2 and "thread-id" not in h2 and h2["x-other"] == "kept"
     assert b2 == {"model": "m", "messages": []}
     up.server.shutdown()
+
+
+def test_the_plain_loopback_proxy_relays_the_whole_answer_without_hop_headers() -> None:
+    up = Upstream()
+    proxy = LoopbackProxy(up.url, 10)
+    try:
+        r = httpx.post(proxy.url + "/v1/messages", json={"a": 1}, headers={"x-keep": "1", "keep-alive": "5"})
+    finally:
+        proxy.close()
+        up.server.shutdown()
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert r.content.endswith(b"content_block_start\ndata: {}\n\n")
+    assert r.headers["content-length"] == str(len(r.content)) and "transfer-encoding" not in r.headers
+    ((headers, body),) = up.seen
+    assert body == {"a": 1} and headers["x-keep"] == "1" and "keep-alive" not in headers
 
 
 def test_summary_takes_medians_and_spreads_over_repeats() -> None:
