@@ -246,6 +246,25 @@ class Meter(LoopbackProxy):
 # running one target
 
 
+def wait_all(
+    procs: list[subprocess.Popen[bytes]], timeout_s: float, poll_s: float = 0.05
+) -> list[float | None]:
+    """Wait for every process; each one's end time (monotonic) as it is seen to exit, ``None`` for
+    one still running after ``timeout_s`` (then killed)."""
+    ended: list[float | None] = [None] * len(procs)
+    deadline = time.monotonic() + timeout_s
+    while any(e is None for e in ended) and time.monotonic() < deadline:
+        for i, proc in enumerate(procs):
+            if ended[i] is None and proc.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(poll_s)
+    for i, proc in enumerate(procs):
+        if ended[i] is None:
+            proc.kill()
+            proc.wait()
+    return ended
+
+
 @dataclass
 class RepeatResult:
     target: str
@@ -417,15 +436,13 @@ def run_repeat(
                 ),
             )
         )
+    ended = wait_all([proc for _, _, _, proc in procs], SESSION_TIMEOUT_S)
     completion, completed, notes = [], 0, []
-    for plan, started, out, proc in procs:
-        try:
-            proc.wait(SESSION_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    for (plan, started, out, proc), end in zip(procs, ended, strict=True):
+        if end is None:
             notes.append(f"s{plan.index} ({plan.harness}) timed out")
-        completion.append(time.monotonic() - started)
+            end = time.monotonic()
+        completion.append(end - started)
         out.close()
         text = (work / f"s{plan.index}.out").read_text(errors="replace")
         if proc.returncode == 0 and f"The marker is {plan.marker}." in text:

@@ -5,6 +5,7 @@ no-hints target), and its summary."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table
+from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table, wait_all
 from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.local.agent_script import find_script, messages
 
@@ -114,3 +115,12 @@ def test_summary_takes_medians_and_spreads_over_repeats() -> None:
     assert summary["t"]["balance"] == (1.2, 1.2, 1.2)
     text = table(summary)
     assert "| t | 40.0 (20.0-60.0) | 50.0 (30.0-70.0) |" in text and "0.801 (0.800-0.802)" in text
+
+
+def test_each_session_ends_when_its_own_process_exits_not_when_an_earlier_one_is_waited_for() -> None:
+    slow = subprocess.Popen(["sleep", "1"])
+    fast = subprocess.Popen(["sleep", "0.05"])
+    stuck = subprocess.Popen(["sleep", "60"])
+    ended = wait_all([slow, fast, stuck], timeout_s=3)
+    assert ended[0] is not None and ended[1] is not None and ended[1] < ended[0]
+    assert ended[2] is None and stuck.returncode is not None
