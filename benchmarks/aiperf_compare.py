@@ -477,18 +477,49 @@ def aiperf_records(artifacts: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def trace_hash_ids(trace_dir: Path) -> dict[tuple[str, int, int | None], list[int]]:
-    """Hash ids of every request of the Weka files: (trace id, outer index, inner index)."""
-    out: dict[tuple[str, int, int | None], list[int]] = {}
+def trace_hash_ids(trace_dir: Path) -> dict[tuple[str, int, int | None], list[Any]]:
+    """Hash ids of every request of the Weka files, (trace id, outer index, inner index) -> one key
+    per 128-token block (a file written with smaller blocks has its ids grouped per 128 tokens)."""
+    out: dict[tuple[str, int, int | None], list[Any]] = {}
     for f in sorted(trace_dir.glob("*.json")):
         t = json.loads(f.read_text())
+        per = max(1, BLOCK // int(t.get("block_size", BLOCK)))
+
+        def group(ids: list[int], per: int = per) -> list[Any]:
+            return [tuple(ids[i : i + per]) for i in range(0, len(ids) - per + 1, per)]
+
         for i, req in enumerate(t["requests"]):
             if req.get("type") == "subagent":
                 for j, inner in enumerate(req.get("requests", [])):
-                    out[(t["id"], i, j)] = list(inner.get("hash_ids", []))
+                    out[(t["id"], i, j)] = group(list(inner.get("hash_ids", [])))
             else:
-                out[(t["id"], i, None)] = list(req.get("hash_ids", []))
+                out[(t["id"], i, None)] = group(list(req.get("hash_ids", [])))
     return out
+
+
+AIPERF_WEKA_BLOCK = 64
+"""The block size aiperf 0.13.0's ``weka_trace`` loader decodes every hash id with: its plugin
+metadata's ``default_block_size`` (64) overrides the file's declared ``block_size``."""
+
+
+def split_blocks(weka: dict[str, Any], block: int = AIPERF_WEKA_BLOCK) -> dict[str, Any]:
+    """The Weka JSON with every hash id (one ``weka["block_size"]``-token block) split into
+    ``block_size / block`` consecutive ids of ``block`` tokens, so a loader that reads each id as
+    ``block`` tokens still builds the trace's whole blocks: equal ids before, equal runs after."""
+    size = int(weka["block_size"])
+    if size % block:
+        raise ValueError(f"block_size {size} is not a multiple of {block}")
+    per = size // block
+
+    def split(req: dict[str, Any]) -> dict[str, Any]:
+        out = dict(req)
+        if "hash_ids" in req:
+            out["hash_ids"] = [h * per + k for h in req["hash_ids"] for k in range(per)]
+        if "requests" in req:
+            out["requests"] = [split(r) for r in req["requests"]]
+        return out
+
+    return {**weka, "block_size": block, "requests": [split(r) for r in weka["requests"]]}
 
 
 def _first_message_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str:
@@ -517,7 +548,7 @@ def analyze(out: Path, model_dir: Path, labels: Sequence[str]) -> str:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    hashes: dict[Any, list[int]] = dict(trace_hash_ids(out / "trace"))
+    hashes: dict[Any, list[Any]] = dict(trace_hash_ids(out / "trace"))
     lines: list[str] = []
 
     def ids_of(body: dict[str, Any]) -> list[int]:
@@ -660,6 +691,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=home / "models" / "tiny-llama")
     p.add_argument("--aiperf-venv", default=str(ROOT / ".bench-venv-aiperf"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "aiperf_compare"))
+    p.add_argument(
+        "--as-declared",
+        action="store_true",
+        help="write the trace with its 128-token hash ids as they are (aiperf 0.13.0 then reads each "
+        "as 64 tokens); default: split each id into two 64-token ids",
+    )
     p.add_argument("--analyze", metavar="OUT", help="only analyse the runs recorded in OUT")
     p.add_argument("aiperf_args", nargs="*", help="more aiperf arguments (after --)")
     return p
@@ -669,6 +706,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     labels = [x for x in args.runs.split(",") if x]
     if args.analyze:
+        done = [Path(args.analyze) / label / "result.json" for label in labels]
+        print(format_results([RunResult(**json.loads(f.read_text())) for f in done if f.exists()]))
         print(analyze(Path(args.analyze), args.model_dir, labels))
         return 0
     ensure_aiperf(Path(args.aiperf_venv))
@@ -686,7 +725,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_output=64,
     )
     for play in plays:
-        (trace_dir / f"{play.play_id}.json").write_text(json.dumps(weka_json(play)))
+        weka = weka_json(play)
+        if not args.as_declared:
+            weka = split_blocks(weka)
+        (trace_dir / f"{play.play_id}.json").write_text(json.dumps(weka))
     results = [run_one(args, label, trace_dir) for label in labels]
     print(format_results(results))
     print(analyze(out, args.model_dir, labels))

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from benchmarks.aiperf_compare import (
+    AIPERF_WEKA_BLOCK,
     BLOCK,
     Recorder,
     analyze,
@@ -18,6 +19,8 @@ from benchmarks.aiperf_compare import (
     common_prefix,
     parse_answer,
     read_rows,
+    split_blocks,
+    trace_hash_ids,
 )
 from gateway.local.engines import free_port
 from tests.benchmarks.test_live_replay import _FakeEngine
@@ -109,3 +112,32 @@ def test_analysis_measures_shared_prefixes_of_consecutive_turns(tmp_path: Path, 
     assert reqs[0]["ideal"] == 0
     assert reqs[1]["ideal"] == pair["lcp_blocks"] * BLOCK
     assert reqs[2]["ideal"] == 0  # the marker before the content moves every block: nothing reusable
+
+
+def test_split_blocks_keeps_the_trace_sharing_at_aiperf_block_size(tmp_path: Path) -> None:
+    weka = {
+        "id": "p0",
+        "block_size": 128,
+        "requests": [
+            {"type": "n", "in": 300, "hash_ids": [2, 3]},
+            {"type": "subagent", "agent_id": "a", "requests": [{"type": "n", "in": 200, "hash_ids": [2, 9]}]},
+            {"type": "n", "in": 400, "hash_ids": [2, 3, 4]},
+        ],
+    }
+    split = split_blocks(weka)
+    assert split["block_size"] == AIPERF_WEKA_BLOCK == 64
+    ids = [
+        split["requests"][0]["hash_ids"],
+        split["requests"][1]["requests"][0]["hash_ids"],
+        split["requests"][2]["hash_ids"],
+    ]
+    assert [len(x) for x in ids] == [4, 4, 6]  # two 64-token ids per 128-token block
+    assert len({*ids[0], *ids[1], *ids[2]}) == 2 * len({2, 3, 4, 9})  # distinct ids stay distinct
+    assert common_prefix(ids[0], ids[2]) == 4 and common_prefix(ids[0], ids[1]) == 2  # same sharing
+    assert split["requests"][0]["in"] == 300 and weka["requests"][0]["hash_ids"] == [2, 3]  # copy
+    # the analysis reads the split file back as 128-token blocks
+    (tmp_path / "p0.json").write_text(json.dumps(split))
+    back = trace_hash_ids(tmp_path)
+    assert len(back[("p0", 0, None)]) == 2 and len(back[("p0", 2, None)]) == 3
+    assert back[("p0", 2, None)][:2] == back[("p0", 0, None)]
+    assert back[("p0", 1, 0)][0] == back[("p0", 0, None)][0] != back[("p0", 1, 0)][1]
