@@ -57,13 +57,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from benchmarks._common import ManagedProcess, free_port, percentile, wait_http_ok
+from benchmarks.loopback_proxy import LoopbackProxy
 from benchmarks.overhead import _default_vllm_router_bin
 from gateway.core.hints import HEADER_NAMES, HINT_BODY_KEYS
 from gateway.local.agent_script import AGENT_MODEL, Step, script_text
@@ -91,9 +91,6 @@ SESSION_TIMEOUT_S = 900
 #: The first server-sent event of an answer that carries output, per API.
 _FIRST_OUTPUT = re.compile(
     rb"event: (content_block_start|response\.output_item\.added)|\"delta\": ?\{\"(content|tool_calls)\""
-)
-_HOP = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host"}
 )
 _WORDS = [
     "agent",
@@ -211,69 +208,61 @@ class Request:
     engine: str = ""
 
 
-class Meter:
+class Meter(LoopbackProxy):
     """A loopback proxy in front of a target: relays each answer as it streams, records when the
     first output event passed; with ``strip_hints`` removes every hint header and body field."""
 
     def __init__(self, target: str, strip_hints: bool = False) -> None:
         self.requests: list[Request] = []
+        self.strip_hints = strip_hints
         self._lock = threading.Lock()
-        self._http = httpx.Client(base_url=target, timeout=httpx.Timeout(SESSION_TIMEOUT_S, connect=10))
-        meter = self
+        super().__init__(target, httpx.Timeout(SESSION_TIMEOUT_S, connect=10))
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+    def handle(
+        self, client: BaseHTTPRequestHandler, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> None:
+        if self.strip_hints:
+            headers = {k: v for k, v in headers.items() if k.lower() not in HEADER_NAMES}
+            with contextlib.suppress(ValueError):
+                doc = json.loads(body) if body else None
+                if isinstance(doc, dict) and any(k in doc for k in HINT_BODY_KEYS):
+                    body = json.dumps({k: v for k, v in doc.items() if k not in HINT_BODY_KEYS}).encode()
+        rec = Request(path.split("?", 1)[0], time.monotonic())
+        with self._lock:
+            self.requests.append(rec)
 
-            def _relay(self) -> None:
-                n = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(n) if n else b""
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                if strip_hints:
-                    headers = {k: v for k, v in headers.items() if k.lower() not in HEADER_NAMES}
-                    with contextlib.suppress(ValueError):
-                        doc = json.loads(body) if body else None
-                        if isinstance(doc, dict) and any(k in doc for k in HINT_BODY_KEYS):
-                            body = json.dumps(
-                                {k: v for k, v in doc.items() if k not in HINT_BODY_KEYS}
-                            ).encode()
-                rec = Request(self.path.split("?", 1)[0], time.monotonic())
-                with meter._lock:
-                    meter.requests.append(rec)
-                with meter._http.stream(self.command, self.path, headers=headers, content=body) as up:
-                    rec.status = up.status_code
-                    rec.engine = up.headers.get("x-agentgw-engine", "")
-                    self.send_response(up.status_code)
-                    for k, v in up.headers.items():
-                        if k.lower() not in _HOP:
-                            self.send_header(k, v)
-                    self.send_header("transfer-encoding", "chunked")
-                    self.end_headers()
-                    for chunk in up.iter_raw():
-                        if rec.first_output is None and _FIRST_OUTPUT.search(chunk):
-                            rec.first_output = time.monotonic()
-                        self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                        self.wfile.flush()
-                    self.wfile.write(b"0\r\n\r\n")
-                rec.ended = time.monotonic()
+        def first_output(chunk: bytes) -> None:
+            if rec.first_output is None and _FIRST_OUTPUT.search(chunk):
+                rec.first_output = time.monotonic()
 
-            do_GET = do_POST = do_DELETE = _relay
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._http.close()
+        with self._http.stream(method, path, headers=headers, content=body) as up:
+            rec.status = up.status_code
+            rec.engine = up.headers.get("x-agentgw-engine", "")
+            self.send_streamed(client, up, first_output)
+        rec.ended = time.monotonic()
 
 
 # ---------------------------------------------------------------------------------------------
 # running one target
+
+
+def wait_all(
+    procs: list[subprocess.Popen[bytes]], timeout_s: float, poll_s: float = 0.05
+) -> list[float | None]:
+    """Wait for every process; each one's end time (monotonic) as it is seen to exit, ``None`` for
+    one still running after ``timeout_s`` (then killed)."""
+    ended: list[float | None] = [None] * len(procs)
+    deadline = time.monotonic() + timeout_s
+    while any(e is None for e in ended) and time.monotonic() < deadline:
+        for i, proc in enumerate(procs):
+            if ended[i] is None and proc.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(poll_s)
+    for i, proc in enumerate(procs):
+        if ended[i] is None:
+            proc.kill()
+            proc.wait()
+    return ended
 
 
 @dataclass
@@ -447,15 +436,13 @@ def run_repeat(
                 ),
             )
         )
+    ended = wait_all([proc for _, _, _, proc in procs], SESSION_TIMEOUT_S)
     completion, completed, notes = [], 0, []
-    for plan, started, out, proc in procs:
-        try:
-            proc.wait(SESSION_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    for (plan, started, out, proc), end in zip(procs, ended, strict=True):
+        if end is None:
             notes.append(f"s{plan.index} ({plan.harness}) timed out")
-        completion.append(time.monotonic() - started)
+            end = time.monotonic()
+        completion.append(end - started)
         out.close()
         text = (work / f"s{plan.index}.out").read_text(errors="replace")
         if proc.returncode == 0 and f"The marker is {plan.marker}." in text:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build the images here (no registry needed), bring up docker-compose.yml's cpu profile and check
-# it end to end (scripts/compose_check.py: an OpenAI SDK chat, a sticky 5-turn hinted session
-# with prefix-cache hits, a killed warm engine), then tear it all down, also on failure.
+# Build the images here (no registry needed), bring up docker-compose.yml's cpu and replicas profiles
+# and check them end to end (scripts/compose_check.py check: an OpenAI SDK chat, a sticky 5-turn
+# hinted session with prefix-cache hits, a killed engine; then compose_check.py replicas: hinted
+# sessions through the file's nginx over 3 gateway replicas, sticky with cached tokens across
+# replicas, one replica stopped, the profile stopped cleanly), then tear it all down, also on failure.
 #
 #   scripts/compose-check.sh            (run by scripts/test.sh after pytest; needs root or docker
 #                                        access, docker.io, docker-compose, debootstrap: setup.sh --test)
@@ -23,6 +25,7 @@ WHEELS=$STATE/wheels
 WHEELS_PORT=${AGENTGW_WHEELS_PORT:-47313}  # fixed, so the build args (and Docker's cache) stay the same
 LOCK=/tmp/agentgw-engines.lock
 export COMPOSE_PROJECT_NAME=agentgw-check DOCKER_BUILDKIT=0
+PROFILES=(--profile cpu --profile replicas)
 mkdir -p "$STATE"
 log() { echo "compose-check: $* ($(($(date +%s) - t0)) s)"; }
 
@@ -40,8 +43,8 @@ stack_up=0
 cleanup() {
   rc=$?
   if [ "$stack_up" = 1 ]; then
-    if [ "$rc" != 0 ]; then docker-compose --profile cpu logs --no-color --tail=40 >&2 || true; fi
-    docker-compose --profile cpu down -v --remove-orphans -t 20 >/dev/null 2>&1 || true
+    if [ "$rc" != 0 ]; then docker-compose "${PROFILES[@]}" logs --no-color --tail=40 >&2 || true; fi
+    docker-compose "${PROFILES[@]}" down -v --remove-orphans -t 20 >/dev/null 2>&1 || true
   fi
   if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; fi
   echo "compose-check: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0)) s"
@@ -77,8 +80,12 @@ eval "$("$PY" scripts/compose_check.py ports)"
 exec 9>"$LOCK"
 log "waiting for $LOCK"
 flock 9
-log "docker-compose --profile cpu up -d (gateway on 127.0.0.1:$AGENTGW_PORT, engines from $AGENTGW_ENGINE_PORT_BASE)"
+log "docker-compose ${PROFILES[*]} up -d (gateway on 127.0.0.1:$AGENTGW_PORT, engines from $AGENTGW_ENGINE_PORT_BASE, nginx on $AGENTGW_BALANCER_PORT over replicas from $AGENTGW_REPLICA_PORT_BASE)"
 stack_up=1
 export AGENTGW_CONTROL_TOKEN=compose-check-$RANDOM$RANDOM
-docker-compose --profile cpu up -d --no-build
+export AGENTGW_API_KEY=compose-check-key-$RANDOM$RANDOM AGENTGW_ADMIN_KEY=compose-check-admin-$RANDOM$RANDOM
+docker-compose "${PROFILES[@]}" up -d --no-build
 "$PY" scripts/compose_check.py check
+log "the replicas profile"
+"$PY" scripts/compose_check.py replicas
+log "checks done"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the tests need (scripts/setup.sh --test) and run the whole test suite: real vLLM engines on tiny local models,
 # a real redis-server and mooncake_master, all started by the tests on loopback and stopped; then
-# scripts/compose-check.sh (the images and docker-compose.yml's cpu profile).
+# scripts/compose-check.sh (the images and docker-compose.yml's cpu and replicas profiles).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh --test

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 from tokenizers import Tokenizer
 
+from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.agent_script import next_output
@@ -32,9 +33,6 @@ from tests.conftest import engine_metric
 
 BLOCK = 128
 TIMEOUT_S = 300
-_HOP = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host"}
-)
 PARSERS: dict[str, Callable[[bytes], ParsedRequest]] = {
     "/v1/messages": anthropic_routes.parse,
     "/v1/responses": responses_routes.parse,
@@ -80,60 +78,38 @@ class Exchange:
         return self.response_headers["x-agentgw-engine"]
 
 
-class LoopRecorder:
+class LoopRecorder(LoopbackProxy):
     """A loopback HTTP proxy in front of the gateway (answers relayed whole once they end)."""
 
     def __init__(self, target: str, engines: Mapping[str, EngineHandle]) -> None:
-        self.target = target
         self.engines = dict(engines)
         self.exchanges: list[Exchange] = []
         self.queued = 0
         """Requests that arrived while another was being relayed (and waited for it)."""
         self._lock = threading.Lock()
         self._one_at_a_time = threading.Lock()
-        self._http = httpx.Client(base_url=target, timeout=TIMEOUT_S)
-        recorder = self
+        super().__init__(target, TIMEOUT_S)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _relay(self) -> None:
-                n = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(n) if n else b""
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                if not recorder._one_at_a_time.acquire(blocking=False):
-                    with recorder._lock:
-                        recorder.queued += 1
-                    recorder._one_at_a_time.acquire()
-                try:
-                    ex = recorder._before(self.command, self.path, headers, body)
-                    try:
-                        up = recorder._http.request(self.command, self.path, headers=headers, content=body)
-                    finally:
-                        recorder._after(ex)
-                    ex.status = up.status_code
-                    ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
-                    ex.response = up.content
-                    recorder._observe(ex)
-                finally:
-                    recorder._one_at_a_time.release()
-                self.send_response(up.status_code)
-                for k, v in up.headers.items():
-                    if k.lower() not in _HOP:
-                        self.send_header(k, v)
-                self.send_header("content-length", str(len(up.content)))
-                self.end_headers()
-                self.wfile.write(up.content)
-
-            do_GET = do_POST = do_DELETE = _relay
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+    def handle(
+        self, client: BaseHTTPRequestHandler, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> None:
+        if not self._one_at_a_time.acquire(blocking=False):
+            with self._lock:
+                self.queued += 1
+            self._one_at_a_time.acquire()
+        try:
+            ex = self._before(method, path, headers, body)
+            try:
+                up = self._http.request(method, path, headers=headers, content=body)
+            finally:
+                self._after(ex)
+            ex.status = up.status_code
+            ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
+            ex.response = up.content
+            self._observe(ex)
+        finally:
+            self._one_at_a_time.release()
+        self.send_whole(client, up)
 
     def _hits(self) -> dict[str, float]:
         return {n: engine_metric(e.url, "vllm:prefix_cache_hits_total") for n, e in self.engines.items()}
@@ -170,11 +146,6 @@ class LoopRecorder:
             if ex.route in PARSERS and ex.session is not None:
                 out.setdefault(ex.session, []).append(ex)
         return out
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._http.close()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

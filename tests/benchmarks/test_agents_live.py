@@ -5,6 +5,7 @@ no-hints target), and its summary."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table
+from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table, wait_all
+from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.local.agent_script import find_script, messages
 
 
@@ -85,6 +87,21 @@ def test_the_meter_relays_times_the_first_output_and_strips_hints_when_asked() -
     up.server.shutdown()
 
 
+def test_the_plain_loopback_proxy_relays_the_whole_answer_without_hop_headers() -> None:
+    up = Upstream()
+    proxy = LoopbackProxy(up.url, 10)
+    try:
+        r = httpx.post(proxy.url + "/v1/messages", json={"a": 1}, headers={"x-keep": "1", "keep-alive": "5"})
+    finally:
+        proxy.close()
+        up.server.shutdown()
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert r.content.endswith(b"content_block_start\ndata: {}\n\n")
+    assert r.headers["content-length"] == str(len(r.content)) and "transfer-encoding" not in r.headers
+    ((headers, body),) = up.seen
+    assert body == {"a": 1} and headers["x-keep"] == "1" and "keep-alive" not in headers
+
+
 def test_summary_takes_medians_and_spreads_over_repeats() -> None:
     def run(r: int, done: list[float]) -> RepeatResult:
         return RepeatResult(
@@ -98,3 +115,12 @@ def test_summary_takes_medians_and_spreads_over_repeats() -> None:
     assert summary["t"]["balance"] == (1.2, 1.2, 1.2)
     text = table(summary)
     assert "| t | 40.0 (20.0-60.0) | 50.0 (30.0-70.0) |" in text and "0.801 (0.800-0.802)" in text
+
+
+def test_each_session_ends_when_its_own_process_exits_not_when_an_earlier_one_is_waited_for() -> None:
+    slow = subprocess.Popen(["sleep", "1"])
+    fast = subprocess.Popen(["sleep", "0.05"])
+    stuck = subprocess.Popen(["sleep", "60"])
+    ended = wait_all([slow, fast, stuck], timeout_s=3)
+    assert ended[0] is not None and ended[1] is not None and ended[1] < ended[0]
+    assert ended[2] is None and stuck.returncode is not None

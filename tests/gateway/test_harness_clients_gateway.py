@@ -18,7 +18,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -26,6 +26,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.engines import HASH_SEED, LocalEngine
@@ -37,9 +38,6 @@ pytestmark = pytest.mark.engine
 
 TIMEOUT_S = 300
 BLOCK = 128
-_HOP = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "host"}
-)
 
 
 @dataclass
@@ -54,57 +52,31 @@ class Exchange:
     """The start of an answer that is not a 2xx."""
 
 
-class Recorder:
+class Recorder(LoopbackProxy):
     """A loopback HTTP proxy in front of the gateway that records every exchange (answers are
     relayed whole once the gateway's stream ends: the clients read SSE either way)."""
 
     def __init__(self, target: str) -> None:
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
-        self._http = httpx.Client(base_url=target, timeout=TIMEOUT_S)
-        recorder = self
+        super().__init__(target, TIMEOUT_S)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _relay(self) -> None:
-                n = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(n) if n else b""
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                ex = Exchange(self.command, self.path, {k.lower(): v for k, v in headers.items()}, body)
-                with recorder._lock:
-                    recorder.exchanges.append(ex)
-                up = recorder._http.request(self.command, self.path, headers=headers, content=body)
-                ex.status = up.status_code
-                ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
-                if up.status_code >= 300:
-                    ex.error = up.content[:600]
-                self.send_response(up.status_code)
-                for k, v in up.headers.items():
-                    if k.lower() not in _HOP:
-                        self.send_header(k, v)
-                self.send_header("content-length", str(len(up.content)))
-                self.end_headers()
-                self.wfile.write(up.content)
-
-            do_GET = do_POST = do_DELETE = _relay
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
+    def handle(
+        self, client: BaseHTTPRequestHandler, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> None:
+        ex = Exchange(method, path, {k.lower(): v for k, v in headers.items()}, body)
+        with self._lock:
+            self.exchanges.append(ex)
+        up = self._http.request(method, path, headers=headers, content=body)
+        ex.status = up.status_code
+        ex.response_headers = {k.lower(): v for k, v in up.headers.items()}
+        if up.status_code >= 300:
+            ex.error = up.content[:600]
+        self.send_whole(client, up)
 
     def since(self, start: int, path: str) -> list[Exchange]:
         with self._lock:
             return [e for e in self.exchanges[start:] if e.path.split("?", 1)[0] == path]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._http.close()
 
 
 @pytest.fixture(scope="module")
