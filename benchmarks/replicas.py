@@ -1,5 +1,5 @@
 """Gateway replicas behind a real load balancer, live: one replica against N behind Debian's nginx
-(round robin, no stickiness, ``proxy_next_upstream error timeout non_idempotent``:
+(round robin, no stickiness, ``proxy_next_upstream error timeout http_503 non_idempotent``:
 gateway/local/replicas.py), on the same real engines, sharing one real redis-server, each replica
 subscribed to every engine's KV events, tenant keys required.
 

@@ -7,8 +7,10 @@ of N ``agentgw serve`` processes that share one Redis. Used by the balancer test
 The balancer's settings (:func:`nginx_conf`) are the ones a gateway fleet needs:
 
 - round robin, no stickiness: every replica reads a session's placement from the shared store;
-- ``proxy_next_upstream error timeout non_idempotent``: a request whose replica cannot be reached
-  (killed, restarting) or fails before sending response headers is sent to the next replica.
+- ``proxy_next_upstream error timeout http_503 non_idempotent``: a request whose replica cannot be
+  reached (killed, restarting), fails before sending response headers, or answers 503 (draining
+  after SIGTERM, no engine it can reach: the gateway's 503s come before any engine work) is sent
+  to the next replica.
   nginx never retries a POST without ``non_idempotent``; it never retries once a byte of the
   response went to the client, so a stream cut mid-way is the client's to see;
 - ``proxy_request_buffering on`` (the default, kept explicit): the whole body is read first, so a
@@ -101,9 +103,9 @@ def nginx_conf(
         "            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n"
         "            proxy_buffering off;           # streams: each chunk as it comes\n"
         "            proxy_request_buffering on;    # the whole body first, so a retry can resend it\n"
-        "            # a replica that cannot be reached or fails before its response headers: the\n"
-        "            # next one (POSTs included); never once a byte of the response went out\n"
-        "            proxy_next_upstream error timeout non_idempotent;\n"
+        "            # a replica that cannot be reached, fails before its response headers or answers\n"
+        "            # 503 (draining): the next one (POSTs included); never once a byte went out\n"
+        "            proxy_next_upstream error timeout http_503 non_idempotent;\n"
         f"            proxy_next_upstream_tries {tries};\n"
         "            proxy_connect_timeout 2s;\n"
         "            proxy_send_timeout 600s;\n"
