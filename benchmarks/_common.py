@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ManagedProcess",
@@ -182,3 +183,27 @@ class ManagedProcess:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout_s)
         self._log.close()
+
+
+def one_pool_config(specs: list[Any], model_dir: Path, block_size: int = 128, **extra: Any) -> dict[str, Any]:
+    """A gateway configuration over the local engines of ``specs`` (``EngineSpec``s serving the
+    tiny Llama): one pool of every engine with its KV-event endpoint, the model with its
+    tokenizer, block size and vLLM's hash seed; ``extra`` adds top-level sections."""
+    from gateway.local.engines import HASH_SEED
+
+    engines = [
+        {"name": s.name, "url": s.url, "model": "tiny-llama", "kv_events": s.kv_events_endpoint}
+        for s in specs
+    ]
+    return {
+        "pools": [{"name": "default", "role": "any", "engines": engines}],
+        "models": [
+            {
+                "name": "tiny-llama",
+                "tokenizer": str(model_dir),
+                "block_size": block_size,
+                "hash_seed": HASH_SEED,
+            }
+        ],
+        **extra,
+    }

@@ -139,13 +139,16 @@ class Recorder:
             resp = web.StreamResponse(
                 status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in _HOP}
             )
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-                if record:
-                    buf += chunk
-            await resp.write_eof()
             status = up.status
+            try:
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                    if record:
+                        buf += chunk
+                await resp.write_eof()
+            except ConnectionResetError:  # the client went away (aiperf cancels at its deadline)
+                status = 499
         if record:
             self._write(request, body, bytes(buf), status, seq, t0)
         return resp

@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks._common import one_pool_config
 from benchmarks.live_replay import (
     FIRST_TOKEN_ID,
     LiveConfig,
@@ -243,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
-    from gateway.local.engines import HASH_SEED, start_engines
+    from gateway.local.engines import start_engines
 
     plays, st, specs, work, gw_port = replay_setup(
         args,
@@ -275,33 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{perf.p0:.2f} + {perf.p1:.3e} T + {perf.p2:.3e} T^2 ms, decode {perf.d0:.2f} ms",
             flush=True,
         )
-        config = {
-            "pools": [
-                {
-                    "name": "default",
-                    "role": "any",
-                    "engines": [
-                        {
-                            "name": s.name,
-                            "url": s.url,
-                            "model": "tiny-llama",
-                            "kv_events": s.kv_events_endpoint,
-                        }
-                        for s in specs
-                    ],
-                }
-            ],
-            "models": [
-                {
-                    "name": "tiny-llama",
-                    "tokenizer": str(model_dir),
-                    "block_size": block_size,
-                    "hash_seed": HASH_SEED,
-                }
-            ],
-            "routing": {"profile": "agentic"},
-            "timeouts": {"health_interval_s": 0.5, "metrics_interval_s": 0.5},
-        }
+        config = one_pool_config(
+            specs,
+            model_dir,
+            block_size,
+            routing={"profile": "agentic"},
+            timeouts={"health_interval_s": 0.5, "metrics_interval_s": 0.5},
+        )
         gw = start_gateway(config, work, gw_port)
         url = f"http://127.0.0.1:{gw_port}"
         urls = [s.url for s in specs]

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import default_weka_traces
+from benchmarks._common import default_weka_traces, one_pool_config
 from benchmarks.live_replay import LiveConfig, LiveMetrics, LiveRecord, load_trace, run_live
 from benchmarks.soak import Redis
 from gateway.sim.traces import Play
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from gateway.local.embedded import DEFAULT_HOME
-    from gateway.local.engines import HASH_SEED, EngineSpec, free_ports, start_engines
+    from gateway.local.engines import EngineSpec, free_ports, start_engines
     from gateway.local.replicas import GatewayReplica, Nginx
     from gateway.local.tiny_model import build_tiny_model
 
@@ -133,31 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"args": vars(args), "runs": []}
     try:
         redis.start()
-        config = {
-            "pools": [
-                {
-                    "name": "default",
-                    "role": "any",
-                    "engines": [
-                        {
-                            "name": s.name,
-                            "url": s.url,
-                            "model": "tiny-llama",
-                            "kv_events": s.kv_events_endpoint,
-                        }
-                        for s in specs
-                    ],
-                }
-            ],
-            "models": [
-                {"name": "tiny-llama", "tokenizer": str(model_dir), "block_size": 128, "hash_seed": HASH_SEED}
-            ],
-            "sessions": {"backend": "redis", "redis_url": f"redis://127.0.0.1:{redis.port}/0"},
-            "auth": {
+        config = one_pool_config(
+            specs,
+            model_dir,
+            sessions={"backend": "redis", "redis_url": f"redis://127.0.0.1:{redis.port}/0"},
+            auth={
                 "tenants": [{"name": "bench", "key_env": ["AGENTGW_BENCH_KEY"]}],
                 "admin_key_env": ["AGENTGW_BENCH_ADMIN"],
             },
-        }
+        )
         env = {"AGENTGW_BENCH_KEY": KEY, "AGENTGW_BENCH_ADMIN": ADMIN}
         replicas = [GatewayReplica(f"r{i}", config, work, env) for i in range(args.replicas)]
         threads = [threading.Thread(target=r.start) for r in replicas]
