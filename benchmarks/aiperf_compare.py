@@ -674,7 +674,7 @@ def ensure_aiperf(venv: Path) -> None:
     """aiperf in its own venv (its transformers/pydantic stack must not touch the project's torch)."""
     if (venv / "bin" / "aiperf").exists():
         return
-    subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)  # a new venv: no project packages
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
 
 
