@@ -88,7 +88,11 @@ def test_embedded_default_serves_and_sigterm_leaves_no_orphans(tmp_path: Path) -
         reply = client.chat.completions.create(**chat)  # type: ignore[call-overload]
         assert reply.choices[0].message.content is not None
         assert httpx.get(url + "/ready", timeout=5).json()["waiting_for"] == {}
-        text = out.read_text()
+        # The startup thread polls the engine every 0.5 s on its own, so its "is up" and
+        # "ready in" lines can follow the health check that opened /ready by a moment.
+        deadline = time.monotonic() + 30
+        while "agentgw: ready in " not in (text := out.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert "agentgw: engine0 is up (" in text, text
         ready_in = int(text.split("agentgw: ready in ", 1)[1].split(" s", 1)[0])
         assert f'OpenAI(base_url="{url}/v1"' in text and "agentgw claude" in text and "agentgw codex" in text
