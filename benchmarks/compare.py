@@ -346,6 +346,7 @@ def _seed_run(task: tuple[int, int, str, int, int, float, str, dict[str, Any]]) 
         keys = set(mig.moved_next)
         ttft = [(r.t_first - r.t_arrive) * 1000.0 for r in sim.records if (r.play, r.idx) in keys]
         row["moves"] = {k: v for k, v in mig.actions.items() if k.startswith("move")}
+        row["executor"] = dict(sorted(mig.stats.items()))
         row["moved_next_turns"] = len(ttft)
         row["moved_next_ttft_p50_ms"] = percentile(ttft, 50) if ttft else float("nan")
         row["moved_next_ttft_p90_ms"] = percentile(ttft, 90) if ttft else float("nan")
@@ -425,7 +426,27 @@ def seed_grid(
                 f"{med['moved_next_ttft_p50_ms']:>7.0f} {med['moved_next_ttft_p90_ms']:>7.0f}",
                 flush=True,
             )
+            if any("executor" in r for r in per_seed):
+                print(f"{'':<4}{move_fates(per_seed)}", flush=True)
     return out
+
+
+def move_fates(per_seed: Sequence[dict[str, Any]]) -> str:
+    """What became of the planned moves, median of the seeds: planned (by reason), started (a
+    copy queued: the planner's plan had the session's hashes), re-homed (``move_done`` less
+    ``rehome_skipped``: a newer placement or a turn in flight kept the home), cancelled (by why)."""
+    keys: set[str] = set()
+    for r in per_seed:
+        keys |= {f"planned {k.removeprefix('move:')}" for k in r.get("moves", {})}
+        keys |= {k for k in r.get("executor", {}) if k.startswith(("move_", "cancelled:", "rehome_"))}
+
+    def value(r: dict[str, Any], k: str) -> float:
+        if k.startswith("planned "):
+            return float(r.get("moves", {}).get("move:" + k.removeprefix("planned "), 0))
+        return float(r.get("executor", {}).get(k, 0))
+
+    parts = [f"{k} {_median([value(r, k) for r in per_seed]):.0f}" for k in sorted(keys)]
+    return "moves (median of seeds): " + ", ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

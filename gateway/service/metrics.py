@@ -61,6 +61,15 @@ class GatewayMetrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.moves = Counter(
+            "agentgw_moves",
+            "Planner moves by reason (knee_ahead, first_turn_to_warm, rebalance, engine_down) and "
+            "outcome: started; completed (the session re-homed); stale (copied, but a newer placement "
+            "or a turn in flight kept the home); failed; cancelled_<why> (new_plan, next_turn_arrived, "
+            "session_end, shutdown)",
+            ["reason", "outcome"],
+            registry=r,
+        )
         self.migration_bytes = Counter(
             "agentgw_migration_bytes", "Estimated KV bytes moved by prefetches", registry=r
         )

@@ -108,6 +108,8 @@ class MigrationExecutor:
         m = Migration(action, self.clock())
         self.current[sid] = m
         self.metrics.migrations.labels(action.kind.value, "started").inc()
+        if action.kind == ActionKind.MOVE:
+            self.metrics.moves.labels(action.reason, "started").inc()
         task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{sid}")
         self._tasks[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._forget_task(sid, t))
@@ -131,6 +133,8 @@ class MigrationExecutor:
             m.state = "cancelled"
             m.error = reason
             self.metrics.migrations.labels(m.action.kind.value, "cancelled").inc()
+            if m.action.kind == ActionKind.MOVE:
+                self.metrics.moves.labels(m.action.reason, f"cancelled_{reason}").inc()
             self.recent.append(m)
         return True
 
@@ -203,7 +207,8 @@ class MigrationExecutor:
                 if errors and len(errors) == len(results):
                     raise errors[0]
                 if a.kind == ActionKind.MOVE:
-                    await self._rehome(a.session_id, a.source, a.targets[0])
+                    rehomed = await self._rehome(a.session_id, a.source, a.targets[0])
+                    self.metrics.moves.labels(a.reason, "completed" if rehomed else "stale").inc()
             m.state = "done"
             self.metrics.migrations.labels(a.kind.value, "completed").inc()
         except asyncio.CancelledError:
@@ -211,6 +216,8 @@ class MigrationExecutor:
         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
             m.state, m.error = "failed", repr(exc)
             self.metrics.migrations.labels(a.kind.value, "failed").inc()
+            if a.kind == ActionKind.MOVE:
+                self.metrics.moves.labels(a.reason, "failed").inc()
             log.warning("migration %s of %s failed: %r", a.kind.value, a.session_id, exc)
         finally:
             if m.state not in ("running", "cancelled"):  # cancel() records a cancelled one
@@ -236,7 +243,9 @@ class MigrationExecutor:
             del self._finished[oldest]
             self.current.pop(oldest, None)
 
-    async def _rehome(self, session_id: str, source: str, target: str) -> None:
+    async def _rehome(self, session_id: str, source: str, target: str) -> bool:
+        """Make ``target`` the session's home; False when a newer placement (or a turn in flight)
+        kept it where it is."""
         pool = self.cluster.engines[target].pool
 
         def rehome(rec: SessionRecord | None) -> SessionRecord | None:
@@ -246,5 +255,8 @@ class MigrationExecutor:
             return rec
 
         rec = await self.sessions.update(session_id, self.clock(), rehome)
-        if rec is not None and rec.home == target and self.on_rehome is not None:
+        if rec is None or rec.home != target:
+            return False
+        if self.on_rehome is not None:
             self.on_rehome(session_id, target)
+        return True

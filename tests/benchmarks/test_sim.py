@@ -421,6 +421,21 @@ def test_a_seed_grid_reports_the_median_of_each_column_over_the_seeds(tmp_path):
         assert runs[policy]["median"]["ttft_p90_ms"] == p90[1]
     # the seeds are different plays
     assert len({r["requests"] for r in runs["precise_prefix"]["seeds"]}) > 1
+    assert all("executor" in r for r in runs["agentic+hints+planner"]["seeds"])
+    assert not any("executor" in r for r in runs["precise_prefix"]["seeds"])
+
+
+def test_move_fates_are_the_median_of_the_seeds_by_outcome():
+    from benchmarks.compare import move_fates
+
+    seeds = [
+        {"moves": {"move:knee_ahead": 10}, "executor": {"move_started": 8, "cancelled:new_plan": 2}},
+        {"moves": {"move:knee_ahead": 20}, "executor": {"move_started": 12, "move_done": 9}},
+        {"moves": {"move:knee_ahead": 30}, "executor": {"move_started": 30, "move_done": 25, "pin_x": 1}},
+    ]
+    assert move_fates(seeds) == (
+        "moves (median of seeds): cancelled:new_plan 0, move_done 9, move_started 12, planned knee_ahead 20"
+    )
 
 
 def test_planner_policies_route_as_the_gateway_does_where_it_runs_the_planner():

@@ -191,3 +191,32 @@ async def test_a_knee_ahead_move_rehomes_then_releases_its_move_bounds(
     assert core.moves.inflight == {} and dict(core.moves.active) == {}
     assert core.homes.on_engine("b") == ["s2"]  # no re-home for a cancelled move
     control.release.set()
+    moves = "agentgw_moves_total"
+    assert metric(executor, moves, {"reason": "knee_ahead", "outcome": "started"}) == 2
+    assert metric(executor, moves, {"reason": "knee_ahead", "outcome": "completed"}) == 1
+    assert metric(executor, moves, {"reason": "knee_ahead", "outcome": "cancelled_next_turn_arrived"}) == 1
+
+
+async def test_a_move_whose_session_was_placed_again_meanwhile_is_counted_stale(
+    executor: MigrationExecutor, control: ControlApi
+) -> None:
+    """The copy finished, but a turn placed the session elsewhere in the meantime: the home stays
+    where that placement put it, and the move counts as ``stale``, not ``completed``."""
+    await executor.sessions.put(SessionRecord("s1", created=0.0, last_activity=0.0, home="b", pool="warm"))
+    control.release.clear()
+    executor.submit(PlanAction(ActionKind.MOVE, "s1", "b", ("a",), reason="knee_ahead"), [1, 2])
+    await asyncio.sleep(0.01)
+
+    def placed_on_c(rec: SessionRecord | None) -> SessionRecord | None:
+        assert rec is not None
+        rec.home = "c"
+        return rec
+
+    await executor.sessions.update("s1", 0.0, placed_on_c)
+    control.release.set()
+    await settle(executor)
+    rec = await executor.sessions.get("s1", 0.0)
+    assert rec is not None and rec.home == "c"
+    labels = {"reason": "knee_ahead"}
+    assert metric(executor, "agentgw_moves_total", {**labels, "outcome": "stale"}) == 1
+    assert metric(executor, "agentgw_moves_total", {**labels, "outcome": "completed"}) == 0
