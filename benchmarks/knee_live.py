@@ -41,14 +41,21 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.fidelity import cache_config_info, start_gateway
-from benchmarks.live_replay import LiveConfig, LiveRecord, format_table, run_live, truncate_play
+from benchmarks.live_replay import (
+    FIRST_TOKEN_ID,
+    LiveConfig,
+    LiveRecord,
+    format_table,
+    run_live,
+    truncate_play,
+)
 from gateway.local.engines import free_ports
 from gateway.sim.metrics import percentile
 from gateway.sim.scale import scale_plays
@@ -65,13 +72,16 @@ def plays_for(args: argparse.Namespace) -> list[Play]:
     return [truncate_play(p, args.max_requests) for p in plays]
 
 
-def mode_config(base: dict[str, Any], mode: str) -> dict[str, Any]:
+def mode_config(base: dict[str, Any], mode: str, turn_s: float | None = None) -> dict[str, Any]:
+    """``turn_s``: the planner's ``migration.turn_s`` (how long a turn holds its KV) in ``ahead``."""
     cfg = copy.deepcopy(base)
     cfg["timeouts"] = {"health_interval_s": 0.5, "metrics_interval_s": 0.5}
     if mode == "arrival":
         cfg.setdefault("migration", {})["enabled"] = False
     elif mode != "ahead":
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES}")
+    elif turn_s is not None:
+        cfg.setdefault("migration", {})["turn_s"] = turn_s
     return cfg
 
 
@@ -118,25 +128,178 @@ def cell(recs: Sequence[LiveRecord]) -> str:
     return f"{len(recs)}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {cached_share(recs):.0%} cached"
 
 
-_MOVES = re.compile(r'^agentgw_moves_total\{reason="([^"]*)",outcome="([^"]*)"\} ([0-9.e+]+)$', re.M)
+_MOVES = re.compile(r"^agentgw_moves_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def planner_moves(url: str) -> dict[str, int]:
     """The gateway's planner moves, ``"<reason> <outcome>" -> count`` (``agentgw_moves_total``)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {f"{r} {o}": int(float(v)) for r, o, v in sorted(_MOVES.findall(text)) if float(v)}
+    out = {}
+    for labels, v in _MOVES.findall(httpx.get(url + "/metrics", timeout=10).text):
+        lab = dict(_LABEL.findall(labels))
+        if float(v):
+            out[f"{lab.get('reason')} {lab.get('outcome')}"] = int(float(v))
+    return dict(sorted(out.items()))
+
+
+@dataclass
+class Rounds:
+    """The directed scenario: ``sessions`` agent sessions take their turns in lockstep rounds
+    (all at once, then a ``gap_s`` tool gap, with the hint), so that the sessions homed on one
+    engine hold their KV there at the same time. After the first round the engine that got the
+    most sessions is made hot: each of its sessions grows by ``hot_growth`` tokens a turn (a long
+    tool result), every other session by ``cold_growth``. With the default 96 blocks per engine
+    (knee 3,809 tokens), two hot sessions pass the knee together from the third turn, neither alone
+    does, and a cold engine can take one."""
+
+    sessions: int = 4
+    rounds: int = 6
+    gap_s: float = 4.0
+    start_tokens: int = 1024
+    hot_growth: int = 512
+    cold_growth: int = 32
+    max_tokens: int = 4
+
+
+async def _turn(
+    client: httpx.AsyncClient, url: str, sid: str, idx: int, prompt: list[int], gap_s: float, max_tokens: int
+) -> LiveRecord:
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "agent_hints": {
+            "session_id": sid,
+            "turn_index": idx,
+            "expected_tool_latency_ms": round(gap_s * 1000),
+        },
+    }
+    now = time.perf_counter
+    rec = LiveRecord("rounds", "root", idx, sid, "", now(), -1.0, -1.0, len(prompt), 0, -1)
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            rec.engine = r.headers.get("x-agentgw-engine", "")
+            rec.reason = r.headers.get("x-agentgw-reason", "")
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk.get("choices"):
+                    rec.t_last = now()
+                    if rec.t_first < 0:
+                        rec.t_first = rec.t_last
+                    rec.output_tokens += 1
+                usage = chunk.get("usage")
+                if usage:
+                    rec.input_tokens = usage.get("prompt_tokens", rec.input_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
+    except httpx.HTTPError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+    return rec
+
+
+def run_rounds(url: str, sc: Rounds, salt: int) -> tuple[list[LiveRecord], set[str]]:
+    """Play the scenario against the gateway at ``url``; returns every turn and the hot sessions."""
+    import asyncio
+
+    rng = random.Random(salt)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_TOKEN_ID, 4096) for _ in range(n)]
+
+    sids = [f"knee-{salt}-{i}" for i in range(sc.sessions)]
+    prompts = {sid: tokens(sc.start_tokens) for sid in sids}
+    records: list[LiveRecord] = []
+    hot: set[str] = set()
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+            for k in range(sc.rounds):
+                if k:
+                    await asyncio.sleep(sc.gap_s)  # the tool runs
+                turns = await asyncio.gather(
+                    *(_turn(client, url, sid, k, prompts[sid], sc.gap_s, sc.max_tokens) for sid in sids)
+                )
+                records.extend(turns)
+                if k == 0:
+                    homes = Counter(r.engine for r in turns if r.engine)
+                    engine = max(sorted(homes), key=lambda e: homes[e])
+                    hot.update(r.session_id for r in turns if r.engine == engine)
+                for sid in sids:  # the answer and the tool result join the context
+                    prompts[sid] = prompts[sid] + tokens(sc.hot_growth if sid in hot else sc.cold_growth)
+
+    asyncio.run(go())
+    return records, hot
+
+
+def next_turns_report(records: Sequence[LiveRecord]) -> dict[str, Any]:
+    nt = next_turns(records)
+
+    def part(recs: Sequence[LiveRecord]) -> dict[str, Any]:
+        return {"n": len(recs), "ttft_ms": ttft_ms(recs), "cached": cached_share(recs)}
+
+    return {"local": part(nt.local), "moved": part(nt.moved), "moved_at_arrival": part(nt.moved_at_arrival)}
+
+
+def format_next_turns(modes: dict[str, dict[str, Any]]) -> str:
+    head = (
+        f"{'mode':<8} | {'next turns, local (n: TTFT p50 / p90, cached)':<44} | "
+        f"{'moved (all)':<36} | {'of them moved at arrival':<36} | planner moves completed"
+    )
+    lines = [head, "-" * len(head)]
+    for mode, d in modes.items():
+        nt = d["next_turns"]
+
+        def c(k: str, nt: dict[str, Any] = nt) -> str:
+            v = nt[k]
+            if not v["n"]:
+                return "-"
+            t = v["ttft_ms"]
+            return f"{v['n']}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {v['cached']:.0%}"
+
+        moves = sum(n for k, n in d["planner_moves"].items() if k.endswith(" completed"))
+        lines.append(
+            f"{mode:<8} | {c('local'):<44} | {c('moved'):<36} | {c('moved_at_arrival'):<36} | {moves}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.knee_live", description=__doc__.splitlines()[0])
-    ap.add_argument("--plays", type=int, default=9)
+    ap.add_argument(
+        "--scenario",
+        choices=("rounds", "plays"),
+        default="rounds",
+        help="rounds: the directed hot-engine scenario (Rounds); plays: seeded AgentX-shaped plays",
+    )
+    ap.add_argument("--rounds", type=int, default=Rounds.rounds)
+    ap.add_argument("--sessions", type=int, default=Rounds.sessions)
+    ap.add_argument("--gap", type=float, default=Rounds.gap_s, help="rounds: the tool gap (s)")
+    ap.add_argument("--repeats", type=int, default=4, help="rounds: the scenario this many times per mode")
+    ap.add_argument("--plays", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-requests", type=int, default=24, help="per play")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--num-gpu-blocks", type=int, default=96, help="per engine (128-token blocks)")
-    ap.add_argument("--lanes", type=int, default=6)
+    ap.add_argument("--lanes", type=int, default=9)
     ap.add_argument("--speedup", type=float, default=4.0, help="the plays' tool gaps divided by this")
+    ap.add_argument(
+        "--turn-s",
+        type=float,
+        default=3.0,
+        help="migration.turn_s of the ahead mode: how long a turn holds its KV on these engines "
+        "(a prefill and a few output tokens: 1-3 s; the default, 20 s, is a full-scale AgentX turn)",
+    )
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", type=Path, default=Path("benchmarks/out/knee_live.json"))
     ap.add_argument("--no-progress", action="store_true")
@@ -148,14 +311,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gateway.local.embedded import start_local_stack
     from gateway.local.layout import DEFAULT
 
-    plays = plays_for(args)
-    st = trace_stats(plays)
-    print(
-        f"plays: {st['plays']} AgentX-shaped (seed {args.seed}), {st['requests']} requests "
-        f"({st['subagent_requests']} subagent), {st['input_tokens']} input tokens, "
-        f"ideal reuse {st['ideal_hit_rate']:.1%}",
-        flush=True,
-    )
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "modes": {}}
+    sc = Rounds(sessions=args.sessions, rounds=args.rounds, gap_s=args.gap)
+    plays: list[Play] = []
+    if args.scenario == "plays":
+        plays = plays_for(args)
+        st = trace_stats(plays)
+        report["trace"] = st
+        print(
+            f"plays: {st['plays']} AgentX-shaped (seed {args.seed}), {st['requests']} requests, "
+            f"{st['input_tokens']} input tokens, ideal reuse {st['ideal_hit_rate']:.1%}",
+            flush=True,
+        )
+    else:
+        print(f"rounds: {sc}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="agentgw-knee-live-"))
     t0 = time.perf_counter()
     stack = start_local_stack(
@@ -166,7 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_args=("--num-gpu-blocks-override", str(args.num_gpu_blocks)),
         timeout_s=400,
     )
-    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "trace": st, "modes": {}}
     rows = []
     try:
         urls = [s.url for s in stack.specs]
@@ -182,72 +350,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, mode in enumerate(modes):
             mdir = work / mode
             mdir.mkdir()
-            gw = start_gateway(mode_config(stack.config, mode), mdir, port)
+            gw = start_gateway(mode_config(stack.config, mode, args.turn_s), mdir, port)
+            hot: set[str] = set()
             try:
-                live = LiveConfig(
-                    url=gw_url,
-                    speedup=args.speedup,
-                    lanes=args.lanes,
-                    salt=salt + i,
-                    progress=not args.no_progress,
-                )
-                m, records = run_live(plays, live, urls, label=mode)
+                if args.scenario == "plays":
+                    live = LiveConfig(
+                        url=gw_url,
+                        speedup=args.speedup,
+                        lanes=args.lanes,
+                        salt=salt + i,
+                        progress=not args.no_progress,
+                    )
+                    m, records = run_live(plays, live, urls, label=mode)
+                    rows.append(m)
+                    print(format_table([m]), flush=True)
+                else:
+                    records = []
+                    for rep in range(args.repeats):
+                        recs, h = run_rounds(gw_url, sc, salt + 1000 * rep + i)
+                        records += recs
+                        hot |= h
                 time.sleep(1.0)  # the last turns' plans
                 moves = planner_moves(gw_url)
             finally:
                 gw.terminate()
                 gw.wait(30)
-            nt = next_turns(records)
-            rows.append(m)
-            reasons = Counter(r.reason for r in records if not r.error)
-            report["modes"][mode] = {
-                "live": m.as_dict(),
+            ok = [r for r in records if not r.error and r.t_first >= 0]
+            reasons = Counter(r.reason for r in ok)
+            d: dict[str, Any] = {
+                "requests": len(records),
+                "errors": len(records) - len(ok),
+                "ttft_p50_ms": percentile(ttft_ms(ok), 50) if ok else float("nan"),
+                "ttft_p90_ms": percentile(ttft_ms(ok), 90) if ok else float("nan"),
                 "planner_moves": moves,
                 "reasons": dict(reasons),
-                "next_turns": {
-                    "local": {
-                        "n": len(nt.local),
-                        "ttft_ms": ttft_ms(nt.local),
-                        "cached": cached_share(nt.local),
-                    },
-                    "moved": {
-                        "n": len(nt.moved),
-                        "ttft_ms": ttft_ms(nt.moved),
-                        "cached": cached_share(nt.moved),
-                    },
-                    "moved_at_arrival": {
-                        "n": len(nt.moved_at_arrival),
-                        "ttft_ms": ttft_ms(nt.moved_at_arrival),
-                        "cached": cached_share(nt.moved_at_arrival),
-                    },
-                },
+                "next_turns": next_turns_report(records),
+                "records": [asdict(r) for r in records],
             }
-            print(format_table([m]), flush=True)
-            print(f"{mode}: routing reasons {dict(reasons.most_common())}; planner moves {moves}", flush=True)
+            if hot:
+                d["hot_sessions"] = sorted(hot)
+            report["modes"][mode] = d
+            print(
+                f"{mode}: {len(records)} requests, {d['errors']} errors, TTFT p50 {d['ttft_p50_ms']:.0f} / "
+                f"p90 {d['ttft_p90_ms']:.0f} ms; routing reasons {dict(reasons.most_common())}; "
+                f"planner moves {moves}",
+                flush=True,
+            )
     finally:
         stack.stop()
 
+    if rows:
+        print()
+        print(format_table(rows))
     print()
-    print(format_table(rows))
-    print()
-    head = (
-        f"{'mode':<8} | {'next turns, local (n: TTFT p50 / p90, cached)':<44} | "
-        f"{'moved (all)':<36} | {'of them moved at arrival':<36} | planner moves"
-    )
-    print(head)
-    print("-" * len(head))
-    for mode, d in report["modes"].items():
-        nt = d["next_turns"]
-
-        def c(k: str, nt: dict[str, Any] = nt) -> str:
-            v = nt[k]
-            if not v["n"]:
-                return "-"
-            t = v["ttft_ms"]
-            return f"{v['n']}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {v['cached']:.0%}"
-
-        moves = sum(n for k, n in d["planner_moves"].items() if k.endswith(" completed"))
-        print(f"{mode:<8} | {c('local'):<44} | {c('moved'):<36} | {c('moved_at_arrival'):<36} | {moves}")
+    print(format_next_turns(report["modes"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {args.json}")

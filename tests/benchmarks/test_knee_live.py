@@ -52,6 +52,8 @@ def test_mode_configs() -> None:
     assert arrival["migration"] == {"control_token": "t", "enabled": False}
     ahead = mode_config(base, "ahead")
     assert ahead["migration"] == {"control_token": "t"}  # the default: the planner runs
+    assert mode_config(base, "ahead", 3.0)["migration"] == {"control_token": "t", "turn_s": 3.0}
+    assert mode_config(base, "arrival", 3.0)["migration"] == {"control_token": "t", "enabled": False}
     assert base == {"pools": [], "migration": {"control_token": "t"}}  # not changed in place
     with pytest.raises(ValueError, match="unknown mode"):
         mode_config(base, "later")
