@@ -1,30 +1,35 @@
 """Real engines: a session whose next turn would pass the decode knee at home, moved during its
 tool gap (the planner's ``knee_ahead``) against moved when the turn arrives (the router's
-``kv_balance``), on the same engines and plays, in one run.
+``kv_balance``), on the same engines, in one run.
 
-    flock /tmp/agentgw-heavy.lock python -m benchmarks.knee_live      # 3 engines, ~15 min
+    flock /tmp/agentgw-heavy.lock python -m benchmarks.knee_live      # 3 engines, ~7 min
+    python -m benchmarks.knee_live --report RUN.json                  # the table of a saved run
 
 Starts the embedded default's stack once (``gateway.local.embedded``: 3 tiny-llama vLLM CPU
 engines with engine_ext's offload connector, control API and a Mooncake tier, KV events), with
 a small device KV cache (``--num-gpu-blocks``, vLLM's ``--num-gpu-blocks-override``) so that a
 home passes the router's decode knee (the cost model's knee for 50 tok/s: 31% of an engine's KV)
-with two or three sessions' contexts. Replays seeded AgentX-shaped plays
-(:func:`gateway.sim.traces.synth_agentx`, each play's context scaled into ``--max-context``,
-its first ``--max-requests`` requests) through an ``agentgw serve`` over those engines, once
-per mode, each with a fresh prompt salt so that no mode hits another's cache:
+with two sessions' contexts. Then, once per mode, an ``agentgw serve`` over those engines and a
+fresh prompt salt:
 
 - ``arrival``: ``migration.enabled: false``: no planner; a turn whose home would pass the knee
   moves when it arrives (``kv_balance``, unpriced: the ``agentic+hints`` router) and its new
-  engine loads what it lacks from Mooncake (or recomputes it) while the client waits.
+  engine loads what it lacks from Mooncake while the client waits.
 - ``ahead``: the default on engines with the control API: after each turn the planner projects
   the home's decoding KV at the session's expected return (the tool-latency hint) and, past the
   knee, prefetches the session's KV onto another engine during the gap (``knee_ahead``); the
   session is re-homed when the copy is done; the arrival-time moves that remain are priced.
 
-Per mode: live_replay's table (TTFT, P90 interactivity, hit rates, recomputed tokens), the
-planner's moves by reason and outcome (the dashboard's migration list), and the *next turns*:
-each turn of a session after its first, split into those served on the engine of the session's
-previous turn (a local hit) and those served elsewhere (moved), with their TTFT and cached share.
+Scenarios: ``rounds`` (default, :class:`Rounds`): sessions in lockstep rounds, the ones on one
+engine made hot; ``plays``: seeded AgentX-shaped plays (:func:`gateway.sim.traces.synth_agentx`,
+scaled into ``--max-context``, their first ``--max-requests`` requests) through
+``benchmarks.live_replay``.
+
+Per mode: the planner's moves by reason and outcome (``agentgw_moves_total``), the routing
+reasons, and the *next turns* (each session's turns after its first): served on the previous
+turn's engine (local), moved during the tool gap (re-homed by a completed planner move) or moved
+at arrival, with TTFT, cached share and, for rounds, each turn's TTFT over the median of the
+other turns of its round (the machine's load at that moment).
 """
 
 from __future__ import annotations
@@ -241,19 +246,43 @@ def run_rounds(url: str, sc: Rounds, salt: int) -> tuple[list[LiveRecord], set[s
     return records, hot
 
 
+def round_ratio(turn: LiveRecord, records: Sequence[LiveRecord]) -> float | None:
+    """The rounds scenario: ``turn``'s TTFT over the median TTFT of the other turns of its round
+    (same repeat, same turn index): each round's turns share the machine's load at that moment,
+    so the ratio separates a turn's own cost from a noisy machine's. None for a play turn."""
+    if not turn.session_id.startswith("knee-"):
+        return None
+    run = turn.session_id.rsplit("-", 1)[0]
+    others = [
+        (r.t_first - r.t_arrive) * 1000.0
+        for r in records
+        if r is not turn and r.idx == turn.idx and r.session_id.rsplit("-", 1)[0] == run and r.t_first >= 0
+    ]
+    if not others:
+        return None
+    return (turn.t_first - turn.t_arrive) * 1000.0 / statistics.median(others)
+
+
 def next_turns_report(records: Sequence[LiveRecord]) -> dict[str, Any]:
     nt = next_turns(records)
 
     def part(recs: Sequence[LiveRecord]) -> dict[str, Any]:
-        return {"n": len(recs), "ttft_ms": ttft_ms(recs), "cached": cached_share(recs)}
+        ratios = [x for r in recs if (x := round_ratio(r, records)) is not None]
+        return {"n": len(recs), "ttft_ms": ttft_ms(recs), "cached": cached_share(recs), "round_ratio": ratios}
 
-    return {"local": part(nt.local), "moved": part(nt.moved), "moved_at_arrival": part(nt.moved_at_arrival)}
+    in_gap = [r for r in nt.moved if r.reason not in ARRIVAL_MOVES]
+    return {
+        "local": part(nt.local),
+        "moved": part(nt.moved),
+        "moved_in_gap": part(in_gap),
+        "moved_at_arrival": part(nt.moved_at_arrival),
+    }
 
 
 def format_next_turns(modes: dict[str, dict[str, Any]]) -> str:
     head = (
-        f"{'mode':<8} | {'next turns, local (n: TTFT p50 / p90, cached)':<44} | "
-        f"{'moved (all)':<36} | {'of them moved at arrival':<36} | planner moves completed"
+        f"{'mode':<8} | {'next turns, local (n: TTFT p50 / p90, cached, xround)':<52} | "
+        f"{'moved during the tool gap (re-homed)':<44} | {'moved at arrival':<44} | planner moves completed"
     )
     lines = [head, "-" * len(head)]
     for mode, d in modes.items():
@@ -264,11 +293,14 @@ def format_next_turns(modes: dict[str, dict[str, Any]]) -> str:
             if not v["n"]:
                 return "-"
             t = v["ttft_ms"]
-            return f"{v['n']}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {v['cached']:.0%}"
+            out = f"{v['n']}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {v['cached']:.0%}"
+            if v.get("round_ratio"):
+                out += f", x{statistics.median(v['round_ratio']):.2f}"
+            return out
 
         moves = sum(n for k, n in d["planner_moves"].items() if k.endswith(" completed"))
         lines.append(
-            f"{mode:<8} | {c('local'):<44} | {c('moved'):<36} | {c('moved_at_arrival'):<36} | {moves}"
+            f"{mode:<8} | {c('local'):<52} | {c('moved_in_gap'):<44} | {c('moved_at_arrival'):<44} | {moves}"
         )
     return "\n".join(lines)
 
@@ -303,7 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", type=Path, default=Path("benchmarks/out/knee_live.json"))
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--report", type=Path, help="print the next-turns table of a saved --json and exit")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        saved = json.loads(args.report.read_text())
+        for d in saved["modes"].values():
+            d["next_turns"] = next_turns_report([LiveRecord(**r) for r in d["records"]])
+        print(format_next_turns(saved["modes"]))
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         mode_config({}, m)  # an unknown mode fails before the engines start

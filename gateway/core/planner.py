@@ -31,10 +31,9 @@ more between 3 and 4, and returns the action with the new :class:`MoveState`:
    now, during the tool gap. The projection at the expected return ``now + gap``: the home's
    decode KV then is ``expected[home]`` (the contexts of the other sessions homed there whose turns
    are expected to overlap the return, :meth:`~gateway.core.turn.HomeLedger.expected_at`) plus the
-   session's next context ``next_tokens``, at every engine plus the contexts of the moves in
-   flight to it and less those of the moves in flight away from it (a session moving away is
-   still homed at its source until its copy completes); past ``knee_kv_share`` of the home's
-   capacity (the cost model's decode knee for the interactivity target), the session moves to the engine where
+   session's next context ``next_tokens`` (at a target, also the contexts of the moves in flight
+   to it); past ``knee_kv_share`` of the home's capacity (the
+   cost model's decode knee for the interactivity target), the session moves to the engine where
    the same projection is lowest and under the knee. Whom and when: the copy
    (``(next_tokens - gpu_blocks_there * block_size) * kv_bytes_per_token / move_bytes_per_s``)
    plus ``copy_margin_s`` must fit in the gap (never a turn that is imminent); targets are ranked
@@ -296,16 +295,11 @@ def _knee_ahead(
     bs = max(1, turn.block_size)
 
     incoming: dict[str, int] = {}
-    outgoing: dict[str, int] = {}
-    for source, target, tokens in moves.inflight.values():
+    for _, target, tokens in moves.inflight.values():
         incoming[target] = incoming.get(target, 0) + tokens
-        outgoing[source] = outgoing.get(source, 0) + tokens
 
     def share(e: EngineView) -> float:
-        # a session moving away is still homed at its source (``expected`` counts it there)
-        # until its copy completes; at the return it will be at its target
-        held = max(0, expected.get(e.name, 0) - outgoing.get(e.name, 0))
-        return (held + incoming.get(e.name, 0) + need) / (e.capacity_blocks * bs)
+        return (expected.get(e.name, 0) + incoming.get(e.name, 0) + need) / (e.capacity_blocks * bs)
 
     if share(home) <= knee or need / (home.capacity_blocks * bs) > knee:
         return None

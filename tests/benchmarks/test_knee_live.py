@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from benchmarks.knee_live import mode_config, next_turns, plays_for
+from benchmarks.knee_live import mode_config, next_turns, plays_for, round_ratio
 from benchmarks.live_replay import LiveRecord
 
 
@@ -69,3 +69,38 @@ def test_plays_are_seeded_scaled_and_cut() -> None:
     for p in a:
         assert 0 < len(p.requests) <= 5
         assert all(r.input_tokens + r.output_tokens <= 2048 and r.output_tokens <= 16 for r in p.requests)
+
+
+def test_round_ratio_is_a_turn_over_the_median_of_its_rounds_other_turns() -> None:
+    def at(session: str, idx: int, ttft_s: float) -> LiveRecord:
+        r = rec(session, idx, "e0", 10.0)
+        r.t_first = 10.0 + ttft_s
+        return r
+
+    round2 = [at("knee-7-0", 2, 0.9), at("knee-7-1", 2, 0.3), at("knee-7-2", 2, 0.2), at("knee-7-3", 2, 0.4)]
+    other_repeat = [at("knee-8-0", 2, 5.0)]
+    other_round = [at("knee-7-1", 1, 5.0)]
+    records = round2 + other_repeat + other_round
+    assert round_ratio(round2[0], records) == pytest.approx(0.9 / 0.3)
+    assert round_ratio(other_repeat[0], records) is None  # alone in its round
+    assert round_ratio(rec("p1", 0, "e0", 0.0), records) is None  # a play's turn
+
+
+def test_report_reprints_the_next_turns_table_from_a_saved_run(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+    from dataclasses import asdict
+
+    from benchmarks.knee_live import main
+
+    records = [
+        rec("knee-1-0", 0, "e0", 0.0),
+        rec("knee-1-0", 1, "e1", 5.0, "kv_balance"),
+        rec("knee-1-1", 1, "e2", 5.0),
+    ]
+    path = tmp_path / "run.json"
+    path.write_text(
+        json.dumps({"modes": {"arrival": {"records": [asdict(r) for r in records], "planner_moves": {}}}})
+    )
+    assert main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "arrival" in out and "1: 100 / 100 ms, 90%, x1.00" in out

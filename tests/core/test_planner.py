@@ -264,20 +264,6 @@ def test_knee_ahead_bounds_moves_per_engine_rate_and_dwell() -> None:
     assert done.finished("nobody") is done
 
 
-def test_knee_ahead_counts_a_session_moving_away_at_its_target() -> None:
-    """s and t (2,000 tokens each) are homed on a; s's move to b is in flight. t's projection at
-    a no longer counts s (a: 2,200 of 12,800, under the knee): t stays; without the move in flight
-    both would leave a."""
-    many = replace(K, max_moves_per_s=1.0, max_moves_per_engine=3)
-    t = TurnOutcome("t", "a", context_tokens=2_000, gap_s=10.0, next_tokens=2_200)
-    expected = {"a": 2_000}
-    a, _ = plan_turn(t, [A, B, C], {}, many, MoveState(), 100.0, expected)
-    assert (a.reason, a.targets) == ("knee_ahead", ("b",))
-    s_moving = MoveState().started("s", "a", "b", 99.0, many, 2_000)
-    a, _ = plan_turn(t, [A, B, C], {}, many, s_moving, 100.0, expected)
-    assert a.reason == "stay"
-
-
 def test_move_state_is_bounded() -> None:
     p = PlannerParams(max_tracked_sessions=3, rate_window_s=1.0)
     state = MoveState()
