@@ -2,7 +2,7 @@
 tool gap (the planner's ``knee_ahead``) against moved when the turn arrives (the router's
 ``kv_balance``), on the same engines, in one run.
 
-    flock /tmp/agentgw-heavy.lock python -m benchmarks.knee_live      # 3 engines, ~7 min
+    flock /tmp/agentgw-heavy.lock python -m benchmarks.knee_live      # 3 engines, ~9 min
     python -m benchmarks.knee_live --report RUN.json                  # the table of a saved run
 
 Starts the embedded default's stack once (``gateway.local.embedded``: 3 tiny-llama vLLM CPU
@@ -29,7 +29,7 @@ Per mode: the planner's moves by reason and outcome (``agentgw_moves_total``), t
 reasons, and the *next turns* (each session's turns after its first): served on the previous
 turn's engine (local), moved during the tool gap (re-homed by a completed planner move) or moved
 at arrival, with TTFT, cached share and, for rounds, each turn's TTFT over the median of the
-other turns of its round (the machine's load at that moment).
+other turns of its round and kind, hot or cold (the machine's load at that moment).
 """
 
 from __future__ import annotations
@@ -246,28 +246,33 @@ def run_rounds(url: str, sc: Rounds, salt: int) -> tuple[list[LiveRecord], set[s
     return records, hot
 
 
-def round_ratio(turn: LiveRecord, records: Sequence[LiveRecord]) -> float | None:
+def round_ratio(turn: LiveRecord, records: Sequence[LiveRecord], hot: set[str]) -> float | None:
     """The rounds scenario: ``turn``'s TTFT over the median TTFT of the other turns of its round
-    (same repeat, same turn index): each round's turns share the machine's load at that moment,
-    so the ratio separates a turn's own cost from a noisy machine's. None for a play turn."""
+    (same repeat, same turn index) of its own kind (hot sessions with hot ones: the same new
+    tokens to prefill): they share the machine's load at that moment, so the ratio separates a
+    turn's own cost from a noisy machine's. None for a play's turn or a turn with no such peer."""
     if not turn.session_id.startswith("knee-"):
         return None
-    run = turn.session_id.rsplit("-", 1)[0]
+    run, kind = turn.session_id.rsplit("-", 1)[0], turn.session_id in hot
     others = [
         (r.t_first - r.t_arrive) * 1000.0
         for r in records
-        if r is not turn and r.idx == turn.idx and r.session_id.rsplit("-", 1)[0] == run and r.t_first >= 0
+        if r is not turn
+        and r.idx == turn.idx
+        and r.session_id.rsplit("-", 1)[0] == run
+        and (r.session_id in hot) == kind
+        and r.t_first >= 0
     ]
     if not others:
         return None
     return (turn.t_first - turn.t_arrive) * 1000.0 / statistics.median(others)
 
 
-def next_turns_report(records: Sequence[LiveRecord]) -> dict[str, Any]:
+def next_turns_report(records: Sequence[LiveRecord], hot: set[str] | None = None) -> dict[str, Any]:
     nt = next_turns(records)
 
     def part(recs: Sequence[LiveRecord]) -> dict[str, Any]:
-        ratios = [x for r in recs if (x := round_ratio(r, records)) is not None]
+        ratios = [x for r in recs if (x := round_ratio(r, records, hot or set())) is not None]
         return {"n": len(recs), "ttft_ms": ttft_ms(recs), "cached": cached_share(recs), "round_ratio": ratios}
 
     in_gap = [r for r in nt.moved if r.reason not in ARRIVAL_MOVES]
@@ -316,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=Rounds.rounds)
     ap.add_argument("--sessions", type=int, default=Rounds.sessions)
     ap.add_argument("--gap", type=float, default=Rounds.gap_s, help="rounds: the tool gap (s)")
-    ap.add_argument("--repeats", type=int, default=4, help="rounds: the scenario this many times per mode")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds: the scenario this many times per mode")
     ap.add_argument("--plays", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-requests", type=int, default=24, help="per play")
@@ -340,7 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report is not None:
         saved = json.loads(args.report.read_text())
         for d in saved["modes"].values():
-            d["next_turns"] = next_turns_report([LiveRecord(**r) for r in d["records"]])
+            d["next_turns"] = next_turns_report(
+                [LiveRecord(**r) for r in d["records"]], set(d.get("hot_sessions", []))
+            )
         print(format_next_turns(saved["modes"]))
         return 0
     modes = [m for m in args.modes.split(",") if m]
@@ -423,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ttft_p90_ms": percentile(ttft_ms(ok), 90) if ok else float("nan"),
                 "planner_moves": moves,
                 "reasons": dict(reasons),
-                "next_turns": next_turns_report(records),
+                "next_turns": next_turns_report(records, hot),
                 "records": [asdict(r) for r in records],
             }
             if hot:

@@ -81,9 +81,12 @@ def test_round_ratio_is_a_turn_over_the_median_of_its_rounds_other_turns() -> No
     other_repeat = [at("knee-8-0", 2, 5.0)]
     other_round = [at("knee-7-1", 1, 5.0)]
     records = round2 + other_repeat + other_round
-    assert round_ratio(round2[0], records) == pytest.approx(0.9 / 0.3)
-    assert round_ratio(other_repeat[0], records) is None  # alone in its round
-    assert round_ratio(rec("p1", 0, "e0", 0.0), records) is None  # a play's turn
+    assert round_ratio(round2[0], records, set()) == pytest.approx(0.9 / 0.3)
+    # hot with hot only: 0 and 3 are hot, so 0's peer is 3
+    assert round_ratio(round2[0], records, {"knee-7-0", "knee-7-3"}) == pytest.approx(0.9 / 0.4)
+    assert round_ratio(round2[1], records, {"knee-7-0", "knee-7-3"}) == pytest.approx(0.3 / 0.2)
+    assert round_ratio(other_repeat[0], records, set()) is None  # alone in its round
+    assert round_ratio(rec("p1", 0, "e0", 0.0), records, set()) is None  # a play's turn
 
 
 def test_report_reprints_the_next_turns_table_from_a_saved_run(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
