@@ -432,9 +432,9 @@ def seed_grid(
 
 
 def move_fates(per_seed: Sequence[dict[str, Any]]) -> str:
-    """What became of the planned moves, median of the seeds: planned (by reason), started (a
-    copy queued: the planner's plan had the session's hashes), re-homed (``move_done`` less
-    ``rehome_skipped``: a newer placement or a turn in flight kept the home), cancelled (by why)."""
+    """What became of the planned moves, median of the seeds of each count: planned (by reason),
+    the executor's ``move_started`` / ``move_done`` / ``move_cancelled``, ``cancelled:<why>`` and
+    ``rehome_skipped`` (copied, but a newer placement or a turn in flight kept the home)."""
     keys: set[str] = set()
     for r in per_seed:
         keys |= {f"planned {k.removeprefix('move:')}" for k in r.get("moves", {})}

@@ -59,6 +59,7 @@ from benchmarks.live_replay import (
     LiveRecord,
     format_table,
     run_live,
+    stream_request,
     truncate_play,
 )
 from gateway.local.engines import free_ports
@@ -98,8 +99,16 @@ class NextTurns:
     """Served on the previous turn's engine."""
     moved: list[LiveRecord]
     """Served on another engine."""
-    moved_at_arrival: list[LiveRecord]
-    """Of ``moved``, those the router moved at arrival (``kv_balance`` / ``kv_overflow``)."""
+
+    @property
+    def moved_at_arrival(self) -> list[LiveRecord]:
+        """Of ``moved``, those the router moved at arrival (``kv_balance`` / ``kv_overflow``)."""
+        return [r for r in self.moved if r.reason in ARRIVAL_MOVES]
+
+    @property
+    def moved_in_gap(self) -> list[LiveRecord]:
+        """Of ``moved``, those re-homed before they arrived (a completed planner move)."""
+        return [r for r in self.moved if r.reason not in ARRIVAL_MOVES]
 
 
 def next_turns(records: Sequence[LiveRecord]) -> NextTurns:
@@ -114,7 +123,7 @@ def next_turns(records: Sequence[LiveRecord]) -> NextTurns:
             if prev.error or cur.error or cur.t_first < 0 or not prev.engine or not cur.engine:
                 continue
             (local if cur.engine == prev.engine else moved).append(cur)
-    return NextTurns(local, moved, [r for r in moved if r.reason in ARRIVAL_MOVES])
+    return NextTurns(local, moved)
 
 
 def ttft_ms(recs: Sequence[LiveRecord]) -> list[float]:
@@ -124,13 +133,6 @@ def ttft_ms(recs: Sequence[LiveRecord]) -> list[float]:
 def cached_share(recs: Sequence[LiveRecord]) -> float:
     tin = sum(r.input_tokens for r in recs)
     return sum(max(0, r.cached_tokens) for r in recs) / tin if tin else float("nan")
-
-
-def cell(recs: Sequence[LiveRecord]) -> str:
-    if not recs:
-        return "-"
-    t = ttft_ms(recs)
-    return f"{len(recs)}: {statistics.median(t):.0f} / {percentile(t, 90):.0f} ms, {cached_share(recs):.0%} cached"
 
 
 _MOVES = re.compile(r"^agentgw_moves_total\{([^}]*)\} ([0-9.e+]+)$", re.M)
@@ -167,49 +169,12 @@ class Rounds:
 
 
 async def _turn(
-    client: httpx.AsyncClient, url: str, sid: str, idx: int, prompt: list[int], gap_s: float, max_tokens: int
+    client: Any, sid: str, idx: int, prompt: list[int], gap_s: float, max_tokens: int
 ) -> LiveRecord:
-    body = {
-        "model": "tiny-llama",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "agent_hints": {
-            "session_id": sid,
-            "turn_index": idx,
-            "expected_tool_latency_ms": round(gap_s * 1000),
-        },
-    }
-    now = time.perf_counter
-    rec = LiveRecord("rounds", "root", idx, sid, "", now(), -1.0, -1.0, len(prompt), 0, -1)
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            rec.engine = r.headers.get("x-agentgw-engine", "")
-            rec.reason = r.headers.get("x-agentgw-reason", "")
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk.get("choices"):
-                    rec.t_last = now()
-                    if rec.t_first < 0:
-                        rec.t_first = rec.t_last
-                    rec.output_tokens += 1
-                usage = chunk.get("usage")
-                if usage:
-                    rec.input_tokens = usage.get("prompt_tokens", rec.input_tokens)
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        rec.cached_tokens = int(details["cached_tokens"])
-    except httpx.HTTPError as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"[:300]
-    return rec
+    rec = LiveRecord("rounds", "root", idx, sid, "", time.perf_counter(), -1.0, -1.0, len(prompt), 0, -1)
+    hints = {"session_id": sid, "turn_index": idx, "expected_tool_latency_ms": round(gap_s * 1000)}
+    extra = {"ignore_eos": True, "agent_hints": hints}
+    return await stream_request(client, rec, "tiny-llama", max_tokens, extra, {}, time.perf_counter, prompt)
 
 
 def run_rounds(url: str, sc: Rounds, salt: int) -> tuple[list[LiveRecord], set[str]]:
@@ -227,12 +192,17 @@ def run_rounds(url: str, sc: Rounds, salt: int) -> tuple[list[LiveRecord], set[s
     hot: set[str] = set()
 
     async def go() -> None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as client:
+        from openai import AsyncOpenAI
+
+        async with (
+            httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0)) as http,
+            AsyncOpenAI(base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0) as client,
+        ):
             for k in range(sc.rounds):
                 if k:
                     await asyncio.sleep(sc.gap_s)  # the tool runs
                 turns = await asyncio.gather(
-                    *(_turn(client, url, sid, k, prompts[sid], sc.gap_s, sc.max_tokens) for sid in sids)
+                    *(_turn(client, sid, k, prompts[sid], sc.gap_s, sc.max_tokens) for sid in sids)
                 )
                 records.extend(turns)
                 if k == 0:
@@ -275,11 +245,10 @@ def next_turns_report(records: Sequence[LiveRecord], hot: set[str] | None = None
         ratios = [x for r in recs if (x := round_ratio(r, records, hot or set())) is not None]
         return {"n": len(recs), "ttft_ms": ttft_ms(recs), "cached": cached_share(recs), "round_ratio": ratios}
 
-    in_gap = [r for r in nt.moved if r.reason not in ARRIVAL_MOVES]
     return {
         "local": part(nt.local),
         "moved": part(nt.moved),
-        "moved_in_gap": part(in_gap),
+        "moved_in_gap": part(nt.moved_in_gap),
         "moved_at_arrival": part(nt.moved_at_arrival),
     }
 

@@ -50,7 +50,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -264,6 +264,65 @@ def _next_gaps(play: Play) -> tuple[dict[int, float | None], dict[int, int]]:
     return gaps, turns
 
 
+async def stream_request(
+    client: Any,
+    rec: LiveRecord,
+    model: str,
+    max_tokens: int,
+    extra_body: dict[str, Any],
+    headers: dict[str, str],
+    now: Callable[[], float],
+    prompt: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+) -> LiveRecord:
+    """One streamed request with the OpenAI SDK's ``client``: a completion of the token ids
+    ``prompt``, else a chat of ``messages``. Fills ``rec`` (its ``t_arrive`` already set, on
+    ``now``'s clock): the gateway's headers, first and last token times, usage; a failed request
+    is recorded in ``rec.error``, never raised."""
+    common: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": extra_body,
+        "extra_headers": headers,
+    }
+    n_events = 0
+    usage = None
+    try:
+        if prompt is None:
+            ctx = client.chat.completions.with_streaming_response.create(messages=messages, **common)
+        else:
+            ctx = client.completions.with_streaming_response.create(prompt=prompt, **common)
+        async with ctx as resp:
+            rec.engine = resp.headers.get("x-agentgw-engine", "")
+            rec.reason = resp.headers.get("x-agentgw-reason", "")
+            rec.replica = resp.headers.get("x-upstream-addr", "")
+            rec.request_id = resp.headers.get("x-request-id", "")
+            stream = await resp.parse()
+            async for chunk in stream:
+                if chunk.choices:
+                    t = now()
+                    if rec.t_first < 0:
+                        rec.t_first = t
+                    rec.t_last = t
+                    n_events += 1
+                if getattr(chunk, "usage", None) is not None:
+                    usage = chunk.usage
+    except Exception as exc:  # a failed request is recorded; the replay goes on
+        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+    if usage is not None:
+        rec.input_tokens = usage.prompt_tokens
+        rec.output_tokens = usage.completion_tokens
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None) if details is not None else None
+        rec.cached_tokens = int(cached) if cached is not None else -1
+    else:
+        rec.output_tokens = n_events
+    return rec
+
+
 class _Replayer:
     def __init__(self, cfg: LiveConfig, client: Any, total: int) -> None:
         self.cfg = cfg
@@ -293,55 +352,18 @@ class _Replayer:
             extra_body["agent_hints"] = hint_fields(play, r, turn, next_gap, cfg.speedup)
         elif cfg.hints == "headers":
             headers = hint_headers(play, r)
-        common: dict[str, Any] = {
-            "model": cfg.model,
-            "max_tokens": r.output_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "extra_body": extra_body,
-            "extra_headers": headers,
-        }
-        chat = cfg.api == "chat"
         rec = LiveRecord(
             play.play_id, r.stream, r.idx, play.session_id(r.stream), "", self.now(), -1.0, -1.0,
             r.input_tokens, 0, -1,
         )  # fmt: skip
-        n_events = 0
-        usage = None
-        try:
-            if chat:
-                msgs = [{"role": "user", "content": self.synth.text(play, r)}]
-                ctx = self.client.chat.completions.with_streaming_response.create(messages=msgs, **common)
-            else:
-                prompt = self.synth.token_ids(play, r)
-                ctx = self.client.completions.with_streaming_response.create(prompt=prompt, **common)
-            async with ctx as resp:
-                rec.engine = resp.headers.get("x-agentgw-engine", "")
-                rec.reason = resp.headers.get("x-agentgw-reason", "")
-                rec.replica = resp.headers.get("x-upstream-addr", "")
-                rec.request_id = resp.headers.get("x-request-id", "")
-                stream = await resp.parse()
-                async for chunk in stream:
-                    if chunk.choices:
-                        t = self.now()
-                        if rec.t_first < 0:
-                            rec.t_first = t
-                        rec.t_last = t
-                        n_events += 1
-                    if getattr(chunk, "usage", None) is not None:
-                        usage = chunk.usage
-        except Exception as exc:  # a failed request is recorded; the replay goes on
-            rec.error = f"{type(exc).__name__}: {exc}"[:300]
-        if usage is not None:
-            rec.input_tokens = usage.prompt_tokens
-            rec.output_tokens = usage.completion_tokens
-            details = getattr(usage, "prompt_tokens_details", None)
-            cached = getattr(details, "cached_tokens", None) if details is not None else None
-            rec.cached_tokens = int(cached) if cached is not None else -1
+        if cfg.api == "chat":
+            messages = [{"role": "user", "content": self.synth.text(play, r)}]
+            prompt = None
         else:
-            rec.output_tokens = n_events
-        return rec
+            messages, prompt = None, self.synth.token_ids(play, r)
+        return await stream_request(
+            self.client, rec, cfg.model, r.output_tokens, extra_body, headers, self.now, prompt, messages
+        )
 
     async def run_play(self, play: Play, start: float) -> None:
         loop = asyncio.get_running_loop()

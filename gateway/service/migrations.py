@@ -108,12 +108,16 @@ class MigrationExecutor:
         m = Migration(action, self.clock())
         self.current[sid] = m
         self.metrics.migrations.labels(action.kind.value, "started").inc()
-        if action.kind == ActionKind.MOVE:
-            self.metrics.moves.labels(action.reason, "started").inc()
+        self._count_move(action, "started")
         task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{sid}")
         self._tasks[sid] = task
         task.add_done_callback(lambda t, sid=sid: self._forget_task(sid, t))
         return m
+
+    def _count_move(self, action: PlanAction, outcome: str) -> None:
+        """``agentgw_moves_total``: moves only, by the planner's reason."""
+        if action.kind == ActionKind.MOVE:
+            self.metrics.moves.labels(action.reason, outcome).inc()
 
     def _forget_task(self, session_id: str, task: asyncio.Task[None]) -> None:
         if self._tasks.get(session_id) is task:  # not a newer migration of the same session
@@ -133,8 +137,7 @@ class MigrationExecutor:
             m.state = "cancelled"
             m.error = reason
             self.metrics.migrations.labels(m.action.kind.value, "cancelled").inc()
-            if m.action.kind == ActionKind.MOVE:
-                self.metrics.moves.labels(m.action.reason, f"cancelled_{reason}").inc()
+            self._count_move(m.action, f"cancelled_{reason}")
             self.recent.append(m)
         return True
 
@@ -208,7 +211,7 @@ class MigrationExecutor:
                     raise errors[0]
                 if a.kind == ActionKind.MOVE:
                     rehomed = await self._rehome(a.session_id, a.source, a.targets[0])
-                    self.metrics.moves.labels(a.reason, "completed" if rehomed else "stale").inc()
+                    self._count_move(a, "completed" if rehomed else "stale")
             m.state = "done"
             self.metrics.migrations.labels(a.kind.value, "completed").inc()
         except asyncio.CancelledError:
@@ -216,8 +219,7 @@ class MigrationExecutor:
         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
             m.state, m.error = "failed", repr(exc)
             self.metrics.migrations.labels(a.kind.value, "failed").inc()
-            if a.kind == ActionKind.MOVE:
-                self.metrics.moves.labels(a.reason, "failed").inc()
+            self._count_move(a, "failed")
             log.warning("migration %s of %s failed: %r", a.kind.value, a.session_id, exc)
         finally:
             if m.state not in ("running", "cancelled"):  # cancel() records a cancelled one
