@@ -12,6 +12,7 @@ the engine behind it:
   per token ... ``message_stop``; ``response.created``, ``response.output_text.delta`` per token,
   ``response.completed``), paced like the chat stream; otherwise one JSON body. ``max_tokens`` /
   ``max_output_tokens`` cap the tokens as above.
+- ``POST /v1/messages/count_tokens``: ``{"input_tokens": body bytes / 4}``.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, labelled ``model_name``).
 
@@ -56,6 +57,7 @@ _ROUTES = (
     b"/v1/chat/completions",
     b"/v1/completions",
     b"/v1/messages",
+    b"/v1/messages/count_tokens",
     b"/v1/responses",
     b"/health",
     b"/v1/models",
@@ -77,6 +79,7 @@ class EngineState:
         self.num_requests = 0
         self.num_running = 0
         self.num_unknown_paths = 0
+        self.num_count_tokens = 0
         self.num_connections = 0
         self.num_streams_cut = 0  # paced streams whose client left before the last chunk
         self.hold: asyncio.Event | None = None
@@ -216,6 +219,9 @@ class EngineState:
             "# HELP fake_engine_requests_total Requests answered since start.",
             "# TYPE fake_engine_requests_total counter",
             f"fake_engine_requests_total{label} {float(self.num_requests)}",
+            "# HELP fake_engine_count_tokens_total Token-counting calls answered since start.",
+            "# TYPE fake_engine_count_tokens_total counter",
+            f"fake_engine_count_tokens_total{label} {float(self.num_count_tokens)}",
             "# HELP fake_engine_connections_total TCP connections accepted since start.",
             "# TYPE fake_engine_connections_total counter",
             f"fake_engine_connections_total{label} {float(self.num_connections)}",
@@ -396,6 +402,9 @@ class FakeEngineProtocol(asyncio.Protocol):
         elif method == b"POST" and path == b"/release" and self.state.hold is not None:
             self.state.hold.set()  # every held stream goes on, and later ones are not held
             self._reply(200, b"{}")
+        elif method == b"POST" and path == b"/v1/messages/count_tokens":
+            self.state.num_count_tokens += 1
+            self._reply(200, orjson.dumps({"input_tokens": len(body) // 4}))
         elif method == b"POST" and path in (b"/v1/messages", b"/v1/responses"):
             self._generate_typed(body, path.decode())
         elif method == b"GET" and path == b"/health":

@@ -85,6 +85,8 @@ class LimitsConfig(_Strict):
     out), so a slow-to-answer but live pool is never emptied. 0: only when none passes."""
     max_session_body_bytes: int = Field(64 * 1024, gt=0)
     """Body limit of the session API (``/v1/agent/sessions/...``)."""
+    max_admin_body_bytes: int = Field(1024 * 1024, gt=0)
+    """Body limit of the admin API (``PUT /admin/pools``)."""
     max_buffered_body_bytes: int = Field(1024 * 1024 * 1024, gt=0)
     """Request-body bytes held at once, all requests together (a generation request's until its
     response ends, the other routes' while they are read), counted as they arrive (never on the

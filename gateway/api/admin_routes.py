@@ -17,7 +17,7 @@ from importlib import resources
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.api.auth import require_admin, tenant_of
+from gateway.api.auth import read_json_object, require_admin, tenant_of
 from gateway.config import ConfigError
 from gateway.errors import ApiError
 from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
@@ -137,11 +137,8 @@ async def get_pools(request: Request) -> JSONResponse:
 )
 async def put_pools(request: Request) -> JSONResponse:
     svc = _svc(request)
-    try:
-        body = await request.json()
-    except ValueError:
-        raise ApiError(400, "request body must be JSON", None, "invalid_json") from None
-    if not isinstance(body, dict) or not isinstance(body.get("pools"), list):
+    body = await read_json_object(request, svc.config.limits.max_admin_body_bytes)
+    if not isinstance(body.get("pools"), list):
         raise ApiError(400, "body must be an object with a list 'pools'", "pools", "invalid_request")
     try:
         pools = parse_pools(body["pools"])

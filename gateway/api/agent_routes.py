@@ -21,12 +21,11 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
-import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from gateway.api import anthropic_routes, responses_routes
-from gateway.api.auth import read_body, registry, require_admin, tenant_of
+from gateway.api.auth import read_body, read_json_object, registry, require_admin, tenant_of
 from gateway.api.errors import SERVICE_ERRORS, to_api_error
 from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints, unknown_hints
 from gateway.core.turn import decision_dict
@@ -55,14 +54,7 @@ def _stored_id(request: Request, session_id: str) -> tuple[Tenant, str]:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    raw = await read_body(request, _svc(request).config.limits.max_session_body_bytes)
-    try:
-        body = orjson.loads(raw or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
-    return body
+    return await read_json_object(request, _svc(request).config.limits.max_session_body_bytes)
 
 
 def _session_json(svc: GatewayService, rec: Any, tenant: Tenant, session_id: str) -> dict[str, Any]:

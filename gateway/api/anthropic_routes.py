@@ -56,17 +56,28 @@ MESSAGES_WIRE = Wire(
 
 @router.post("/v1/messages/count_tokens", summary="Anthropic token counting (no session turn)")
 async def count_tokens(request: Request) -> Response:
+    """Counted against the tenant's concurrency and request rate before the body is read, then
+    admitted through the gateway's and the engine's slots, as a turn is."""
     svc = request.app.state.service
     try:
         tenant = tenant_of(request)
-        raw = await read_body(request, svc.config.limits.max_body_bytes)
-        parsed = parse(raw, count_tokens=True)
-        path = "/v1/messages/count_tokens"
-        status, body = await svc.forward_once(parsed, path, raw, request.headers.raw, tenant)
+        declared = request.headers.get("content-length")
+        entered = svc.enter(tenant, int(declared) if declared and declared.isdigit() else None)
     except ApiError as err:
         return _error(err)
     except SERVICE_ERRORS as exc:
         return _error(to_api_error(exc))
+    try:
+        raw = await read_body(request, svc.config.limits.max_body_bytes)
+        parsed = parse(raw, count_tokens=True)
+        path = "/v1/messages/count_tokens"
+        status, body = await svc.forward_once(parsed, path, raw, request.headers.raw, entered)
+    except ApiError as err:
+        return _error(err)
+    except SERVICE_ERRORS as exc:
+        return _error(to_api_error(exc))
+    finally:
+        entered.leave()
     return Response(body, status_code=status, media_type="application/json")
 
 

@@ -20,7 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
-from gateway.service.admission import Admission
+from gateway.service.admission import Admission, TenantPass
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
@@ -212,18 +212,34 @@ class GatewayService:
             why = f"the engine that stored it, '{owner}', cannot be reached"
             raise ResponseNotFound(response_id, "response_id", why) from None
 
+    def enter(self, tenant: Tenant, declared_bytes: int | None) -> TenantPass:
+        """Count a request that is not a session turn against its tenant's concurrency and
+        request rate before its body is read, as a turn is (raises Refused, a 429; the pass is
+        held until :meth:`TenantPass.leave`)."""
+        return self.admission.enter(tenant, (declared_bytes or 0) // 4)
+
     async def forward_once(
         self,
         parsed: ParsedRequest,
         path: str,
         raw: bytes,
         headers: Sequence[tuple[bytes, bytes]],
-        tenant: Tenant = ANONYMOUS,
+        entered: TenantPass,
     ) -> tuple[int, bytes]:
-        """A request that is not a session turn (token counting): routed as a dry run, sent,
-        answered whole."""
-        d = self.decide(await self.analyze(parsed, headers, dry_run=True, tenant=tenant))
-        return await self.forwarder.call(d.engine, "POST", path, raw)
+        """A request that is not a session turn (token counting): routed as a dry run, admitted
+        as a turn is (the gateway's slots, then the engine's; interactive first), sent, answered
+        whole. ``entered``: its tenant's pass (:meth:`enter`). It generates nothing, so its
+        tokens are not debited from the tenant's token rate (the estimate is refunded)."""
+        tenant = entered.tenant
+        await self.admission.turnstile.enter()
+        a = await self.analyze(parsed, headers, dry_run=True, tenant=tenant)
+        d = self.decide(a)
+        interactive = a.hints.interactive
+        async with (
+            self.admission.admit(tenant, interactive, 0, entered=entered),
+            self.admission.engine_slot(d.engine, interactive),
+        ):
+            return await self.forwarder.call(d.engine, "POST", path, raw)
 
     # -- sessions ------------------------------------------------------------------------------
     async def end_session(self, session_id: str) -> SessionRecord | None:
