@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from benchmarks._common import default_weka_traces
-from engine_ext.config import kv_transfer_config
+from engine_ext.config import control_env, kv_transfer_config
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
@@ -202,13 +202,12 @@ def phase(model: Path, work: Path, sessions: list[dict[str, Any]], with_ext: boo
             cfg = kv_transfer_config(
                 256 << 20,
                 control_port=ports[6 + i],
-                control_token=TOKEN,
                 engine_url=f"http://127.0.0.1:{ports[i]}",
                 mooncake_master=mc.master_address,
                 mooncake_metadata=mc.metadata_server,
             )
             extra = ("--kv-transfer-config", json.dumps(cfg))
-            env = MooncakeMaster.client_env
+            env = {**MooncakeMaster.client_env, **control_env(TOKEN)}
         specs.append(
             EngineSpec(
                 name,

@@ -199,7 +199,7 @@ def _require_token(layout: Layout) -> None:
 
 
 def run_engine(layout: Layout, name: str) -> None:
-    from engine_ext.config import kv_transfer_config
+    from engine_ext.config import control_env, kv_transfer_config
     from gateway.local.engines import EngineSpec, engine_command, engine_env, publisher_endpoint
 
     _require_token(layout)
@@ -207,7 +207,6 @@ def run_engine(layout: Layout, name: str) -> None:
     kv = kv_transfer_config(
         _int("HOST_TIER_BYTES", 256 << 20),
         control_port=layout.control_port(name),
-        control_token=layout.control_token,
         engine_url=f"http://{HOST}:{port}",
         mooncake_master=layout.mooncake_master,
         mooncake_metadata=layout.mooncake_metadata,
@@ -224,7 +223,12 @@ def run_engine(layout: Layout, name: str) -> None:
         kv_events_port=layout.kv_events_port(name),
         kv_cache_gib=_int("KV_CACHE_GIB", 1),
         extra_args=extra + tuple(shlex.split(os.environ.get("ENGINE_ARGS", ""))),
-        extra_env={"MC_TCP_BIND_ADDRESS": HOST, "MC_STORE_CLIENT_SETUP_RETRIES": "30"},
+        # the control token through the environment, never the arguments (/proc/<pid>/cmdline)
+        extra_env={
+            "MC_TCP_BIND_ADDRESS": HOST,
+            "MC_STORE_CLIENT_SETUP_RETRIES": "30",
+            **control_env(layout.control_token),
+        },
         platform=os.environ.get("AGENTGW_ENGINE_PLATFORM", "cpu"),  # the engine-gpu image: cuda
     )
     if not (layout.model_dir / "config.json").is_file():
@@ -254,7 +258,11 @@ def run_gateway(layout: Layout, replica: int | None = None) -> None:
             auth["admin_key_env"] = ["ADMIN_KEY"]
         config["auth"] = auth
     path = Path(tempfile.gettempdir()) / "agentgw-compose.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    # it holds the control token: readable by this user only
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(yaml.safe_dump(config, sort_keys=False))
     _announce(f"http://{HOST}:{port}/health")
     log_level = os.environ.get("LOG_LEVEL", "warning")
     _exec(["agentgw", "serve", "--config", str(path), "--log-level", log_level])

@@ -66,6 +66,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
         return manager
 
     def _start_control_server(self, manager: OffloadingManager) -> None:
+        from engine_ext.config import control_token
         from engine_ext.control import ControlServer, ControlService
 
         assert isinstance(manager, TieringOffloadingManager)
@@ -91,7 +92,7 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
             ControlService(policy, stats, engine_url=self.extra_config.get("engine_url")),
             host=str(self.extra_config.get("control_host", "127.0.0.1")),
             port=int(self.extra_config["control_port"]),
-            token=str(self.extra_config.get("control_token") or ""),  # empty: refused
+            token=control_token(self.extra_config),  # none: the engine does not start
             max_inflight=int(self.extra_config.get("control_max_inflight", 8)),
             max_connections=int(self.extra_config.get("control_max_connections", 64)),
             header_timeout_s=float(self.extra_config.get("control_header_timeout_s", 5.0)),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from engine_ext.config import kv_transfer_config
+from engine_ext.config import control_env, kv_transfer_config
 from gateway.local.agent_script import AGENT_MODEL, SCRIPTED_DECODER
 from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.layout import DEFAULT, LocalLayout
@@ -131,13 +131,13 @@ def plan_local_stack(
                 kv = kv_transfer_config(
                     host_cache_mib << 20,
                     control_port=control,
-                    control_token=token,
                     engine_url=f"http://127.0.0.1:{port}",
                     mooncake_master=stack.mooncake.master_address if stack.mooncake else None,
                     mooncake_metadata=stack.mooncake.metadata_server if stack.mooncake else None,
                 )
                 ext_args = ("--kv-transfer-config", json.dumps(kv))
-                env = dict(MooncakeMaster.client_env) if stack.mooncake else {}
+                # the token through the environment, never the arguments (/proc/<pid>/cmdline)
+                env = {**(MooncakeMaster.client_env if stack.mooncake else {}), **control_env(token)}
             stack.specs.append(
                 EngineSpec(
                     name=name,

@@ -211,7 +211,11 @@ class GatewayReplica:
         self.config_path = self.dir / f"{name}.yaml"
         data = dict(config)
         data["listen"] = {"host": "127.0.0.1", "port": self.port}
-        self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        # it may hold the control token and keys: readable by this user only
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(yaml.safe_dump(data, sort_keys=False))
         self.log_path = self.dir / f"{name}.log"
         self.env = {**os.environ, **(env or {})}
         self.log_level = log_level

@@ -99,7 +99,6 @@ def plugin_kv(
     kv = config.kv_transfer_config(
         host_bytes,
         control_port=control_port,
-        control_token=CONTROL_TOKEN,
         engine_url=None if engine_port is None else f"http://127.0.0.1:{engine_port}",
         mooncake_master=None if mooncake is None else mooncake.master_address,
         mooncake_metadata=None if mooncake is None else mooncake.metadata_server,
@@ -126,6 +125,8 @@ def plugin_engine(
     """A tiny test engine with the plugin (`engines.py` adds the pinning scheduler) and a
     `device_blocks` device cache; the Mooncake client's environment when `kv` has a store tier."""
     env = dict(MooncakeMaster.client_env) if kv["kv_connector_extra_config"].get("secondary_tiers") else {}
+    if kv["kv_connector_extra_config"].get("control_port") is not None:
+        env.update(config.control_env(CONTROL_TOKEN))
     env.update(extra_env or {})
     return EngineSpec(
         name=name,

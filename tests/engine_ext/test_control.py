@@ -12,7 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_ext.config import kv_transfer_config
+from engine_ext.config import (
+    CONTROL_TOKEN_ENV,
+    control_env,
+    control_token,
+    kv_transfer_config,
+    write_token_file,
+)
 from engine_ext.control import ControlServer, ControlService
 
 TOKEN = "s3cret"
@@ -96,7 +102,41 @@ def test_the_control_api_never_runs_without_a_token(token: str) -> None:
     with pytest.raises(ValueError, match="control_token"):
         ControlServer(ControlService(FakePolicy(), lambda: {}), "127.0.0.1", 0, token)
     with pytest.raises(ValueError, match="control_token"):
-        kv_transfer_config(1 << 20, control_port=1, control_token=token or None)
+        control_env(token)
+    env = {CONTROL_TOKEN_ENV: token} if token else {}
+    with pytest.raises(ValueError, match="control_token"):
+        control_token(kv_transfer_config(1 << 20, control_port=1)["kv_connector_extra_config"], env)
+
+
+# -- where the engine finds its token: never in its arguments (hostile round 4) -------------------
+def test_the_engines_config_never_carries_the_token(tmp_path: Any) -> None:
+    """The token was inside ``--kv-transfer-config``, so any local user read it from the engine's
+    ``/proc/<pid>/cmdline``. Now the config names at most a file; the token comes from the
+    environment or that file."""
+    extra = kv_transfer_config(1 << 20, control_port=1)["kv_connector_extra_config"]
+    assert "control_token" not in json.dumps(extra)
+    assert control_token(extra, control_env("s3cret")) == "s3cret"
+    path = write_token_file(tmp_path / "token", "from-file")
+    assert path.stat().st_mode & 0o777 == 0o600
+    extra = kv_transfer_config(1 << 20, control_port=1, control_token_file=path)["kv_connector_extra_config"]
+    assert extra["control_token_file"] == str(path) and "from-file" not in json.dumps(extra)
+    assert control_token(extra, {}) == "from-file"  # the file first, even with the environment set
+    assert control_token(extra, control_env("other")) == "from-file"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_token_file_other_users_can_read_is_refused(tmp_path: Any, mode: int) -> None:
+    path = write_token_file(tmp_path / "token", "t")
+    path.chmod(mode)
+    with pytest.raises(ValueError, match="chmod 600"):
+        control_token({"control_token_file": str(path)}, {})
+
+
+def test_a_token_left_in_the_config_still_works_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Configs written before the change keep starting their engines, and say what to change."""
+    with caplog.at_level("WARNING", logger="engine_ext.config"):
+        assert control_token({"control_token": "old"}, {}) == "old"
+    assert CONTROL_TOKEN_ENV in caplog.text and "cmdline" in caplog.text
 
 
 @pytest.mark.parametrize("auth", [b"Bearer", b"Bearer ", b"bearer  ", b""])

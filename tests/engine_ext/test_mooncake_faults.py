@@ -119,7 +119,6 @@ def engine_and_master(
     cfg = config.kv_transfer_config(
         HOST_CHUNKS * BLOCK_BYTES,
         control_port=control_port,
-        control_token=CONTROL_TOKEN,
         engine_url=f"http://127.0.0.1:{port}",
         mooncake_master=m.master_address,
         mooncake_metadata=m.metadata_server,
@@ -133,7 +132,7 @@ def engine_and_master(
         max_model_len=6144,
         num_gpu_blocks_override=64,
         extra_args=("--kv-transfer-config", json.dumps(cfg)),
-        extra_env=MooncakeMaster.client_env,
+        extra_env={**MooncakeMaster.client_env, **config.control_env(CONTROL_TOKEN)},
     )
     try:
         with running_engines([spec], [control_port]) as engines:

@@ -4,6 +4,7 @@ configures it)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -48,6 +49,35 @@ def test_a_replica_listens_on_its_port_and_requires_a_key(
     assert config["listen"]["port"] == 9102
     assert config["auth"] == {"tenants": [{"name": "default", "key_env": ["API_KEY"]}]}
     assert ran and ran[0][:2] == ["agentgw", "serve"]
+
+
+def test_an_engine_gets_its_control_token_through_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """compose's engines: the launcher put the control token in ``--kv-transfer-config``, in the
+    engine's arguments, readable by every local user from /proc/<pid>/cmdline. Now it goes in the
+    engine's environment; the gateway's config file, which holds it, is readable by its user only."""
+    launch = launch_module()
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_text("{}")
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(launch, "HEALTH_FILE", tmp_path / "health")
+    ran: list[tuple[list[str], dict[str, str] | None]] = []
+    monkeypatch.setattr(launch, "_exec", lambda cmd, env=None: ran.append((cmd, env)))
+    monkeypatch.setenv("MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("CONTROL_TOKEN", "tok-4f3a9")
+    monkeypatch.setenv("ENGINES", "2")
+    layout = launch.Layout.from_env()
+    launch.run_engine(layout, layout.engine_names[0])
+    (cmd, env) = ran[-1]
+    assert not any("tok-4f3a9" in a for a in cmd), cmd
+    assert env is not None and env["AGENTGW_CONTROL_TOKEN"] == "tok-4f3a9"
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"]["control_port"] > 0
+    launch.run_gateway(layout)
+    path = tmp_path / "agentgw-compose.yaml"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert yaml.safe_load(path.read_text())["migration"]["control_token"] == "tok-4f3a9"
 
 
 def _adjacent_free_ports() -> int:

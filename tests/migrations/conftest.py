@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_ext.config import control_env
 from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines
 from gateway.local.mooncake import MooncakeMaster
 from tests.conftest import MODEL, ServedGateway, engine_specs, wait_ready
@@ -32,7 +33,7 @@ def kv_cluster(
                 **{
                     **spec.__dict__,
                     "extra_args": ("--kv-transfer-config", json.dumps(cfg)),
-                    "extra_env": MooncakeMaster.client_env,
+                    "extra_env": {**MooncakeMaster.client_env, **control_env(CONTROL_TOKEN)},
                 }
             )
         )

@@ -50,7 +50,6 @@ def rehome_cluster(
             cfg = config.kv_transfer_config(
                 HOST_CHUNKS * BLOCK_BYTES,
                 control_port=cport,
-                control_token=CONTROL_TOKEN,
                 engine_url=spec.url,
                 mooncake_master=master.master_address,
                 mooncake_metadata=master.metadata_server,
@@ -61,7 +60,7 @@ def rehome_cluster(
                     **{
                         **spec.__dict__,
                         "extra_args": ("--kv-transfer-config", json.dumps(cfg)),
-                        "extra_env": MooncakeMaster.client_env,
+                        "extra_env": {**MooncakeMaster.client_env, **config.control_env(CONTROL_TOKEN)},
                     }
                 )
             )
