@@ -106,3 +106,20 @@ def test_the_simulator_drives_the_core_only() -> None:
     assert (
         violations("sim", {"gateway.service", "gateway.api", "asyncio", "httpx", "aiohttp", "fastapi"}) == []
     )
+
+
+def test_each_formula_is_written_once() -> None:
+    """The pin's TTL (expected gap plus margin, capped) and the expected gap (hint, then the
+    session's own, then the default) are computed in one place each (``PlannerParams.pin_ttl_s``
+    and ``.gap_s``), which the service, the simulator and the dashboard call; a copy written
+    elsewhere drifts."""
+    pin_sums, gap_defaults = [], []
+    for f in ROOT.rglob("*.py"):
+        where = str(f.relative_to(ROOT))
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.BinOp) and "pin_margin_s" in ast.unparse(node):
+                pin_sums.append(where)
+            if isinstance(node, ast.Attribute) and node.attr == "default_gap_s":
+                gap_defaults.append(where)
+    assert pin_sums == ["core/planner.py"], pin_sums
+    assert set(gap_defaults) <= {"core/planner.py", "config.py"}, gap_defaults  # config: its default value

@@ -98,6 +98,21 @@ class PlannerParams:
     max_tracked_sessions: int = 4096
     """Bound of :class:`MoveState`'s per-session dwell table (oldest first)."""
 
+    def gap_s(self, hinted_s: float | None, learned_s: float | None) -> float:
+        """The tool gap a session is expected to take before its next turn: the hinted one,
+        else what its own turns showed (:meth:`SessionRecord.expected_gap`), else
+        ``default_gap_s``. The one rule: the service and the simulator both call it."""
+        if hinted_s is not None:
+            return hinted_s
+        return learned_s if learned_s is not None else self.default_gap_s
+
+    def pin_ttl_s(self, gap_s: float) -> float:
+        """How long a session's KV stays pinned after a turn: its expected tool gap plus
+        ``pin_margin_s``, at most ``max_pin_s``. The one formula: the pin each request carries
+        (engine_ext's ``kv_transfer_params``), the planner's actions, the simulator and the
+        dashboard all call it."""
+        return min(gap_s + self.pin_margin_s, self.max_pin_s)
+
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
@@ -163,7 +178,7 @@ def plan_after_turn(
     params: PlannerParams,
 ) -> PlanAction:
     home = next((e for e in engines if e.name == turn.home), None)
-    pin = min(turn.gap_s + params.pin_margin_s, params.max_pin_s)
+    pin = params.pin_ttl_s(turn.gap_s)
     move_s = turn.context_tokens * params.kv_bytes_per_token / params.move_bytes_per_s
     sid, src = turn.session_id, turn.home
     if turn.ended:
@@ -217,7 +232,7 @@ def plan_rehome(
     live = sorted((e for e in engines if e.healthy and e.pool == pool and e.name != dead), key=rank)
     if not live:
         return None
-    pin = min(gap_s + params.pin_margin_s, params.max_pin_s)
+    pin = params.pin_ttl_s(gap_s)
     return PlanAction(ActionKind.MOVE, session_id, dead, (live[0].name,), pin, "engine_down")
 
 
@@ -348,7 +363,7 @@ def plan_turn(
     target = _knee_ahead(turn, engines, matches, params, moves, now, expected)
     if target is None:
         return base, moves
-    pin = min(turn.gap_s + params.pin_margin_s, params.max_pin_s)
+    pin = params.pin_ttl_s(turn.gap_s)
     action = PlanAction(ActionKind.MOVE, turn.session_id, turn.home, (target,), pin, "knee_ahead")
     need = turn.next_tokens or turn.context_tokens
     return action, moves.started(turn.session_id, turn.home, target, now, params, need)

@@ -277,9 +277,8 @@ def _pins(rec: SessionRecord, service: GatewayService, last: Migration | None) -
         # each request to a control-enabled engine carries a pin for the expected gap, on the
         # engine that served it (GatewayService._pin); a hinted kv_retention_ttl_s overrides it
         # and is not kept
-        mc = service.config.migration
-        gap = rec.expected_gap()
-        ttl = min((gap if gap is not None else mc.default_gap_s) + mc.pin_margin_s, mc.max_pin_s)
+        params = service.migrations.params
+        ttl = params.pin_ttl_s(params.gap_s(None, rec.expected_gap()))
         pins.append({"engine": served, "until": rec.last_activity + ttl, "by": "request"})
     return pins
 

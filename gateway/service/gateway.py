@@ -164,8 +164,7 @@ class GatewayService:
             return None
         if h.session_end:
             return {"session_id": h.session_id, "release": True}
-        m = self.config.migration
-        ttl = min(self.placement.expected_gap(h, a.record) + m.pin_margin_s, m.max_pin_s)
+        ttl = self.migrations.params.pin_ttl_s(self.placement.expected_gap(h, a.record))
         if h.kv_retention_ttl_s is not None:
             ttl = h.kv_retention_ttl_s
         return {"session_id": h.session_id, "pin_ttl_s": ttl}

@@ -184,10 +184,8 @@ class Placement:
                 self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
 
     def expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
-        if hints.expected_tool_latency_ms is not None:
-            return hints.expected_tool_latency_ms / 1000
-        gap = rec.expected_gap() if rec is not None else None
-        return gap if gap is not None else self.config.migration.default_gap_s
+        hinted = hints.expected_tool_latency_ms / 1000 if hints.expected_tool_latency_ms is not None else None
+        return self.planner_params.gap_s(hinted, rec.expected_gap() if rec is not None else None)
 
     def after_turn(
         self, rec: SessionRecord, hints: AgentHints, engine: str, model: str, index: IndexKind

@@ -34,11 +34,6 @@ log = logging.getLogger("agentgw.rehome")
 __all__ = ["Rehomer"]
 
 
-def _gap(rec: SessionRecord, default_s: float) -> float:
-    gap = rec.expected_gap()
-    return gap if gap is not None else default_s
-
-
 def _rehome(dead: str, target: str, pool: str) -> Callable[[SessionRecord | None], SessionRecord | None]:
     def apply(r: SessionRecord | None) -> SessionRecord | None:
         if r is None or r.ended or r.home != dead:
@@ -94,7 +89,7 @@ class Rehomer:
                 self.cluster.views(),
                 p.session_matches(rec),
                 p.migrations.params,
-                gap_s=_gap(rec, p.config.migration.default_gap_s),
+                gap_s=p.planner_params.gap_s(None, rec.expected_gap()),
             )
             if action is None:
                 self.metrics.sessions_rehomed.labels("engine_down", "no_target").inc()

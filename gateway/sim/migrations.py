@@ -118,15 +118,14 @@ class SimMigrations:
             self.cancel(sim, sid, "session_end")
             self._execute(sim, PlanAction(ActionKind.RELEASE, sid, record.engine, reason="session_end"), [])
             return
+        hinted = None
         if sim.cfg.hints and sim.cfg.tool_latency_hint:
-            gap = sim.plays[record.play].requests[nxt].gap_s / sim.cfg.speedup
-        else:
-            g = srec.expected_gap()
-            gap = g if g is not None else p.default_gap_s
+            hinted = sim.plays[record.play].requests[nxt].gap_s / sim.cfg.speedup
+        gap = p.gap_s(hinted, srec.expected_gap())
         hashes = srec.prefix_hashes
         # engine_ext pins the turn's host chunks for the expected gap (kv_transfer_params.agentgw)
         if sim.tiers is not None:
-            sim.tiers.pin_host(record.engine, hashes, now + min(gap + p.pin_margin_s, p.max_pin_s))
+            sim.tiers.pin_host(record.engine, hashes, now + p.pin_ttl_s(gap))
             self._pins.setdefault(sid, set()).add((record.engine, False))
         ctx = srec.context_tokens
         turn = TurnOutcome(

@@ -287,3 +287,26 @@ def test_home_ledger_projects_the_kv_of_turns_expected_to_overlap() -> None:
     assert ledger.expected_at(20.0, 10.0, exclude="a") == {"w0": 300, "w1": 700}
     assert ledger.expected_at(45.0, 10.0) == {"w0": 800}
     assert ledger.expected_at(55.0, 10.0) == {"w0": 500}
+
+
+@pytest.mark.parametrize(
+    ("gap", "margin", "cap", "ttl"),
+    [(10.0, 5.0, 600.0, 15.0), (0.0, 5.0, 600.0, 5.0), (598.0, 5.0, 600.0, 600.0), (3.0, 0.0, 2.0, 2.0)],
+)
+def test_a_pin_lasts_the_expected_gap_plus_the_margin_up_to_the_cap(
+    gap: float, margin: float, cap: float, ttl: float
+) -> None:
+    params = PlannerParams(pin_margin_s=margin, max_pin_s=cap)
+    assert params.pin_ttl_s(gap) == ttl
+    # every action the planner returns carries that pin
+    assert plan_after_turn(turn(gap=gap), [W0, W1], {}, params).pin_ttl_s == ttl
+
+
+@pytest.mark.parametrize(
+    ("hinted", "learned", "gap"),
+    [(4.0, 30.0, 4.0), (None, 30.0, 30.0), (None, None, P.default_gap_s), (0.0, None, 0.0)],
+)
+def test_the_expected_gap_is_the_hint_then_the_sessions_own_then_the_default(
+    hinted: float | None, learned: float | None, gap: float
+) -> None:
+    assert P.gap_s(hinted, learned) == gap
