@@ -69,11 +69,9 @@ class AnalysisRequest:
     raw: bytes | None = None
     """The request's JSON bytes, of which ``body`` is the parse (``cache_salt`` aside): a worker
     process gets these instead of a serialization of ``body``."""
-    session_id: str | None = None
-    """Keep the prompt's token ids under this session (:meth:`PromptAnalyzer.session_tokens`)."""
     tokens: bool = False
-    """Whether :attr:`Analysis.tokens` is wanted (implied by ``session_id``); else a worker process
-    sends back only the counts and block hashes."""
+    """Whether :attr:`Analysis.tokens` is wanted (to keep for the session's KV prefetch); else a
+    worker process sends back only the counts and block hashes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,10 +267,7 @@ class PromptAnalyzer:
             except Unsupported as exc:
                 raise self._skip(f"unsupported: {exc.reason}") from None
         else:
-            keep = req.tokens or req.session_id is not None
-            info = await self._offload(model, kind, body, chars, req.raw, keep)
-        if req.session_id is not None:
-            self._remember(req.session_id, info.tokens)
+            info = await self._offload(model, kind, body, chars, req.raw, req.tokens)
         return Analysis(info.num_tokens, info.hashes, bs, info.encoded_tokens, info.tokens)
 
     async def _offload(
@@ -336,7 +331,9 @@ class PromptAnalyzer:
         return [w for lane in self.lanes.values() for w in lane.workers()]
 
     # -- session tokens (for KV prefetch) -------------------------------------------------------
-    def _remember(self, session_id: str, tokens: Sequence[int]) -> None:
+    def remember(self, session_id: str, tokens: Sequence[int]) -> None:
+        """Keep ``tokens`` as the session's last prompt (bounded by bytes, oldest session out).
+        Analysis itself never writes: the caller keeps a turn's tokens once it is admitted."""
         arr = tokens if isinstance(tokens, array) else array("i", tokens)
         old = self._sessions.pop(session_id, None)
         if old is not None:

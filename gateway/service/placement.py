@@ -155,10 +155,14 @@ class Placement:
             w.done(await self.sessions.update(w.session_id, now, w.apply))
 
     async def place(self, a: Analysis, d: Decision) -> None:
-        """Record the decision: the approximate index learns where the prefix went, the session
-        its new home, the parent its child, the fan-out its in-flight sibling."""
+        """Record the admitted turn's decision: the approximate index learns where the prefix
+        went, the session its new home and its prompt's tokens (for a KV prefetch), the parent
+        its child, the fan-out its in-flight sibling. The one place a turn writes before it is
+        forwarded: analysis and decision only read, so a refused turn leaves all of it as it was."""
         self.metrics.count_decision(d.profile, d.pool, d.reason)
         sid = a.hints.session_id
+        if sid is not None and a.prompt.tokens:
+            self.prompts.remember(sid, a.prompt.tokens)
         if sid is not None and restarts(a.record, a.turn):
             self.metrics.session_restarts.inc()
         if sid is not None and sid in self.migrations.current:

@@ -64,6 +64,9 @@ class PromptRead:
     exact: bool
     """True when tokens and hashes are exact (a tokenizer is configured for the model)."""
     warning: str | None = None
+    tokens: Sequence[int] = ()
+    """The prompt's token ids when the session's are kept (exact analysis, a session id, moves
+    on): :meth:`Prompts.remember` keeps them once the turn is admitted."""
 
 
 def prompt_text(parsed: ParsedRequest) -> str:
@@ -152,18 +155,22 @@ class Prompts:
         tenant: Tenant = ANONYMOUS,
     ) -> PromptRead:
         """``dry_run``: the same reading without counting a request (round-robin's counter) or
-        remembering the session's tokens. A prompt that cannot be analysed exactly in time (or
+        returning the session's tokens to keep. It writes nothing of the session (the caller keeps
+        the tokens once the turn is admitted: :meth:`remember`). A prompt that cannot be analysed exactly in time (or
         at all: it depends on state held by the engine) is hashed approximately, and counted."""
         hints, warning = self.hints(parsed, headers, tenant)
         info: Analysis | None = None
+        keep = False
         if not parsed.exact:
             if self.exact_for(parsed.model):
                 self.metrics.count_analysis_skipped("engine_state")
         else:
             body, raw = (parsed.body, parsed.raw) if parsed.prompt is None else (parsed.prompt, None)
-            sid = None if dry_run or not self.keeps_tokens else hints.session_id
+            keep = not dry_run and self.keeps_tokens and hints.session_id is not None
             try:
-                info = await self.analyzer.analyze(AnalysisRequest(parsed.model, parsed.kind, body, raw, sid))
+                info = await self.analyzer.analyze(
+                    AnalysisRequest(parsed.model, parsed.kind, body, raw, keep)
+                )
             except AnalysisSkipped:
                 info = None  # counted by the analyzer
         if info is not None:
@@ -180,7 +187,8 @@ class Prompts:
         if not dry_run:
             self._seq += 1
         turn = Turn(parsed.model, n_tokens, block_size, hints, hashes, seq)
-        return PromptRead(turn, index_for(exact, self.kv_events), exact, warning)
+        tokens = info.tokens if info is not None and keep else ()
+        return PromptRead(turn, index_for(exact, self.kv_events), exact, warning, tokens)
 
     def block_size(self, model: str) -> int:
         return self.block_sizes.get(model, 128)
@@ -188,6 +196,10 @@ class Prompts:
     def session_tokens(self, session_id: str) -> list[int] | None:
         """The session's last prompt token ids, when exact and kept (for a KV prefetch)."""
         return self.analyzer.session_tokens(session_id)
+
+    def remember(self, session_id: str, tokens: Sequence[int]) -> None:
+        """Keep an admitted turn's prompt tokens as its session's (for a KV prefetch)."""
+        self.analyzer.remember(session_id, tokens)
 
     def forget(self, session_id: str) -> None:
         self.analyzer.forget(session_id)

@@ -35,7 +35,10 @@ async def analyze(
     raw: bytes | None = None,
     tokens: bool = True,
 ) -> Analysis:
-    return await an.analyze(AnalysisRequest(model, kind, body, raw, session_id, tokens))
+    info = await an.analyze(AnalysisRequest(model, kind, body, raw, tokens or session_id is not None))
+    if session_id is not None:  # what the gateway does once the turn is admitted
+        an.remember(session_id, info.tokens)
+    return info
 
 
 def models(tiny_llama: Path) -> list[ModelConfig]:

@@ -171,3 +171,70 @@ def test_killing_the_target_mid_migration_leaves_the_session_served(
     assert r2.headers["x-agentgw-engine"] != victim.spec.name
     assert r2.json()["choices"][0]["message"]["content"] is not None
     assert state["migration"]["state"] in ("failed", "done")
+
+
+def test_a_turn_refused_at_admission_leaves_the_session_its_tokens_and_its_pins(
+    kv_gateway: ServedGateway, kv_cluster: dict
+) -> None:
+    """Engines with engine_ext: a turn the gateway refuses after analysing it (its slots full)
+    leaves the session's record, the prompt tokens kept for its prefetch, its planned move and
+    the pins on every engine exactly as they were (analysis only reads)."""
+    svc = kv_gateway.service
+    m = msgs("refuse", 80)
+    post(kv_gateway, m, {"session_id": "ref-1", "expected_tool_latency_ms": 20000})
+    wait_migration(kv_gateway, "ref-1")
+
+    def snapshot() -> dict[str, Any]:
+        assert kv_gateway.loop is not None
+        rec = asyncio.run_coroutine_threadsafe(
+            svc.sessions.get("ref-1", svc.clock()), kv_gateway.loop
+        ).result(10)
+        current = svc.migrations.current.get("ref-1")
+        pins = {
+            name: httpx.get(f"{control}/v1/kv/sessions/ref-1", headers=AUTH, timeout=10).json()
+            for name, (_, control) in kv_cluster.items()
+        }
+        return {
+            "record": {k: v for k, v in rec.to_dict().items() if k not in ("last_activity", "observed_gaps")},
+            "tokens": svc.prompts.session_tokens("ref-1"),
+            "move": None if current is None else current.to_dict(),
+            "pins": pins,
+        }
+
+    before = snapshot()
+    assert before["tokens"]
+    slots = svc.admission.global_slots
+    limit, waiters = slots.limit, slots.max_waiters
+    slots.limit, slots.max_waiters = 0, 0  # the gateway is full and keeps no queue
+    try:
+        m2 = m + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "refused " * 300}]
+        r = httpx.post(
+            kv_gateway.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": m2, "max_tokens": 4, "agent_hints": {"session_id": "ref-1"}},
+            timeout=60,
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "gateway_busy"), r.text
+        after = snapshot()
+    finally:
+        slots.limit, slots.max_waiters = limit, waiters
+    # a pin's time left runs down; a re-pin (the refused turn's) would have reset it
+    for name, pin in before["pins"].items():
+        left = ttl_left(pin), ttl_left(after["pins"][name])
+        assert (left[0] is None) == (left[1] is None) and (left[0] is None or left[1] <= left[0]), (
+            name,
+            left,
+        )
+    assert without_ttl_left(after) == without_ttl_left(before)
+
+
+def ttl_left(doc: dict[str, Any]) -> float | None:
+    pin = doc.get("pin")
+    return None if not pin else float(pin["ttl_left_s"])
+
+
+def without_ttl_left(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {k: without_ttl_left(v) for k, v in doc.items() if k != "ttl_left_s"}
+    if isinstance(doc, list):
+        return [without_ttl_left(v) for v in doc]
+    return doc
