@@ -142,7 +142,8 @@ class ControlService:
             self._engine_url + path, data=data, headers={"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=600) as response:
-            return json.loads(response.read())
+            reply: dict[str, Any] = json.loads(response.read())  # the engine answers a JSON object
+            return reply
 
     def prefetch(self, token_ids: list[int], hint: dict[str, Any] | None) -> dict[str, Any]:
         if self._engine_url is None:

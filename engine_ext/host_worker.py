@@ -99,7 +99,8 @@ class HostCopyWorker(OffloadingWorker):
                     nbytes=sum(n for _, n in copies),
                 )
             )
-        self._stream = torch.cuda.Stream() if self._cuda else None
+        # torch leaves Stream.__new__, Event.__new__ and Event.query unannotated
+        self._stream = torch.cuda.Stream() if self._cuda else None  # type: ignore[no-untyped-call]
         self._pending: list[tuple[TransferResult, torch.cuda.Event]] = []
         self._finished: list[TransferResult] = []
 
@@ -119,7 +120,7 @@ class HostCopyWorker(OffloadingWorker):
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
                 num_bytes = self._copy_groups(device_spec, host_spec, to_host)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             event.record(self._stream)
             result = TransferResult(job_id=job_id, success=True, transfer_size=num_bytes)
             self._pending.append((result, event))
@@ -172,7 +173,7 @@ class HostCopyWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         still = []
         for result, event in self._pending:
-            if event.query():
+            if event.query():  # type: ignore[no-untyped-call]  # torch: unannotated
                 self._finished.append(result)
             else:
                 still.append((result, event))

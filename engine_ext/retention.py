@@ -104,7 +104,9 @@ def make_retention(config: dict[str, Any] | None) -> RetentionPolicy:
         unknown = set(config) - {"min_sightings", "capacity"}
         if unknown:
             raise ValueError(f"unknown selective retention parameters: {sorted(unknown)}")
-        return SelectiveRetention(state_groups=state_groups, **{k: int(v) for k, v in config.items()})
+        # only min_sightings / capacity (checked above); Any: mypy matches ** against every field
+        params: dict[str, Any] = {k: int(v) for k, v in config.items()}
+        return SelectiveRetention(state_groups=state_groups, **params)
     raise ValueError(f"unknown retention policy {name!r}; expected 'interval' or 'selective'")
 
 

@@ -116,11 +116,13 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
         if not self._uses_host_copy_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
+            # vLLM types _worker as its CPUOffloadingWorker; here it may be a HostCopyWorker
             self._worker = self.create_worker(kv_caches)  # type: ignore[assignment]
         assert self._worker is not None
         return self._worker
 
-    def create_worker(self, kv_caches: CanonicalKVCaches):  # type: ignore[override]
+    # widens vLLM's CPUOffloadingWorker return type: the HostCopyWorker is another OffloadingWorker
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:  # type: ignore[override]
         if not self._uses_host_copy_worker():
             return super().create_worker(kv_caches)
         rank = 0 if self.replicated_layout else self.config.parallel.rank

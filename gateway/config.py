@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +20,10 @@ from gateway.core.planner import PlannerParams
 from gateway.core.router import RoutingParams, with_planner
 
 PoolRole = Literal["first_turn", "warm", "any"]
+RoutingProfile = Literal[
+    "agentic", "precise_prefix", "cache_aware", "least_loaded", "round_robin", "session_hash"
+]
+RoutingSplit = Literal["cost", "wall"]
 
 
 class _Strict(BaseModel):
@@ -152,9 +156,8 @@ class RoutingConfig(_Strict):
     """The router's parameters (:class:`~gateway.core.router.RoutingParams`: every default is
     its), plus what the service needs around it (``role_*``, ``forward_priority``, the index)."""
 
-    profile: Literal[
-        "agentic", "precise_prefix", "cache_aware", "least_loaded", "round_robin", "session_hash"
-    ] = _ROUTING.profile
+    # RoutingParams types these as plain str (the router checks them at run time).
+    profile: RoutingProfile = cast(RoutingProfile, _ROUTING.profile)
     first_turn_threshold_tokens: int = Field(_ROUTING.first_turn_threshold_tokens, ge=0)
     """Estimated uncached tokens at or above which a request goes to the first-turn pool."""
     sticky_max_queue: int = Field(_ROUTING.sticky_max_queue, ge=0)
@@ -187,7 +190,7 @@ class RoutingConfig(_Strict):
     prompt) goes to the engine with the lowest estimated time to first token (uncached tokens
     x ``prefill_s_per_token`` + queue x ``queue_s_per_request``) when that is lower
     (``new_session_load``): sessions spread instead of piling onto that engine."""
-    split: Literal["cost", "wall"] = _ROUTING.split
+    split: RoutingSplit = cast(RoutingSplit, _ROUTING.split)
     """First-turn / warm split of the ``agentic`` profile: ``cost`` prices each request on both
     sides with the engine cost model below (gateway/core/policies/split.py) and the load the
     gateway measures (in-flight prefills and decodes per engine): an idle warm engine takes a

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -43,7 +43,39 @@ __all__ = [
 _BACKEND_ENV = "AGENTGW_KERNELS"
 
 
-def _backend(tensors: Sequence[torch.Tensor]) -> ModuleType:
+class _Backend(Protocol):
+    """What each implementation module (``kv_copy``, ``host_copy``, ``reference``) provides."""
+
+    def gather_blocks(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        block_dim: int = 0,
+    ) -> torch.Tensor: ...
+
+    def scatter_blocks(
+        self,
+        src: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        *,
+        block_dim: int = 0,
+    ) -> None: ...
+
+    def copy_blocks(
+        self,
+        src_caches: Sequence[torch.Tensor],
+        dst_caches: Sequence[torch.Tensor],
+        src_ids: torch.Tensor,
+        dst_ids: torch.Tensor,
+        *,
+        block_dim: int = 0,
+    ) -> None: ...
+
+
+def _backend(tensors: Sequence[torch.Tensor]) -> _Backend:
     choice = os.environ.get(_BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice == "torch":
         return reference

@@ -54,8 +54,10 @@ _MAX_ALIGN = 16
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
-@triton.jit
-def _copy_pieces_kernel(
+# Triton reads the parameters' annotations (tl.constexpr), so the others stay unannotated; triton
+# ships no type information, so its decorator is untyped.
+@triton.jit  # type: ignore[untyped-decorator]
+def _copy_pieces_kernel(  # type: ignore[no-untyped-def]
     src_ids_ptr,
     dst_ids_ptr,
     src_addr_ptr,

@@ -49,6 +49,7 @@ sliced views) take the general path: ``index_select`` into a temporary, then a c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -120,7 +121,13 @@ def _byte_rows(cache: torch.Tensor, block_dim: int) -> tuple[int, int] | None:
             return None
         expected *= cache.shape[dim]
     esize = cache.element_size()
-    return cache.storage_offset() * esize, cache.stride(block_dim) * esize
+    return _storage_offset(cache) * esize, cache.stride(block_dim) * esize
+
+
+def _storage_offset(tensor: torch.Tensor) -> int:
+    # torch types it ``int | SymInt``; a SymInt only appears under symbolic tracing (torch.compile),
+    # which never sees these copies
+    return cast(int, tensor.storage_offset())
 
 
 def _word_rows(
@@ -156,7 +163,7 @@ def gather_blocks(
         fast = _byte_rows(cache, block_dim) if cache.device == rows.device else None
         if fast is not None and nbytes:
             src_off, src_stride = fast
-            dst_off = rows.storage_offset() + offset
+            dst_off = _storage_offset(rows) + offset
             word, dtype = _word(src_off, src_stride, dst_off, rows.stride(0), nbytes)
             src_rows = _word_rows(cache, src_off, src_stride, cache.shape[block_dim], nbytes, word, dtype)
             dst_rows = _word_rows(rows, dst_off, rows.stride(0), num_ids, nbytes, word, dtype)
@@ -185,7 +192,7 @@ def scatter_blocks(
         fast = _byte_rows(cache, block_dim) if cache.device == rows.device else None
         if fast is not None and nbytes:
             dst_off, dst_stride = fast
-            src_off = rows.storage_offset() + offset
+            src_off = _storage_offset(rows) + offset
             word, dtype = _word(src_off, rows.stride(0), dst_off, dst_stride, nbytes)
             src_rows = _word_rows(rows, src_off, rows.stride(0), num_ids, nbytes, word, dtype)
             dst_rows = _word_rows(cache, dst_off, dst_stride, cache.shape[block_dim], nbytes, word, dtype)

@@ -69,6 +69,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
@@ -77,8 +79,6 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import (
     JobId,
     JobResult,
-    RequestOffloadingContext,
-    ScheduleEndContext,
     SecondaryTierManager,
     TransferJob,
 )
@@ -421,9 +421,9 @@ class ObjectStoreTier(SecondaryTierManager):
 
     def _guarded(self, fn: Any, job_id: JobId, *args: Any) -> None:
         start = time.perf_counter()
-        *args, n_chunks = args
+        *fn_args, n_chunks = args
         try:
-            result = fn(job_id, *args, start=start)
+            result = fn(job_id, *fn_args, start=start)
         except StoreUnavailable:  # nothing moved: loads are recomputed, stores dropped
             kind = "unavailable_loads" if fn == self._run_load else "unavailable_stores"
             self.count_unavailable(kind, n_chunks)

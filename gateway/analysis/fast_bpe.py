@@ -30,6 +30,7 @@ on the first disagreement (counted, logged).
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import json
 import re
@@ -37,10 +38,13 @@ import unicodedata
 from array import array
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+_native: ModuleType | None
+"""The C extension (gateway/analysis/_native.c; no stub: its functions are typed Any)."""
 try:
-    from gateway.analysis import _native
+    _native = importlib.import_module("gateway.analysis._native")
 except ImportError:  # not built (no C compiler at install): tiktoken's core does it all
     _native = None
 
@@ -191,9 +195,9 @@ class FastBPE:
             ranks[b] = len(order)
             order.append(i)
         for m in model.get("merges") or ():
-            a, b = m.split(" ", 1) if isinstance(m, str) else m
-            ba, bb = to_bytes(a), to_bytes(b)
-            tid = vocab.get(f"{a}{b}")
+            left, right = m.split(" ", 1) if isinstance(m, str) else m
+            ba, bb = to_bytes(left), to_bytes(right)
+            tid = vocab.get(f"{left}{right}")
             if ba is None or bb is None or tid is None:
                 return None, f"merge {m!r} is not in the vocabulary"
             t = ba + bb

@@ -645,8 +645,8 @@ class ChatTokenizer:
                 hashes.append(int.from_bytes(parent[24:], "big"))
             return raw, hashes
         for i in range(keep, len(tokens) // bs):
-            extra = salt_keys(salt) if i == 0 else None
-            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra)
+            extra_keys = salt_keys(salt) if i == 0 else None
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], self._none, extra_keys)
             raw.append(parent)
             hashes.append(external(parent))
         return raw, hashes

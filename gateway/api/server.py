@@ -208,9 +208,10 @@ def guarded_protocol(limits: ServerConfig) -> type[HttpToolsProtocol]:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
-            extensions = dict(self.scope.get("extensions") or {})
+            # Any: ASGI types extension values as dicts; this one is the abort callable
+            extensions: dict[str, Any] = dict(self.scope.get("extensions") or {})
             extensions[ABORT_EXTENSION] = self._abort_response
-            self.scope["extensions"] = extensions  # type: ignore[typeddict-item]
+            self.scope["extensions"] = extensions
             super().on_headers_complete()
             if self._probe_only and self.cycle is not None:
                 self.cycle.keep_alive = False  # answered, then closed: the reserve stays free

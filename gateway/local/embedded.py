@@ -188,7 +188,12 @@ def config_for(
     with each engine's ``control_url`` when ``control_ports`` are given."""
 
     def engine(i: int, s: EngineSpec) -> dict[str, Any]:
-        out = {"name": s.name, "url": s.url, "model": s.served_model_name, "kv_events": s.kv_events_endpoint}
+        out: dict[str, Any] = {
+            "name": s.name,
+            "url": s.url,
+            "model": s.served_model_name,
+            "kv_events": s.kv_events_endpoint,
+        }
         if s.served_aliases:
             out["aliases"] = list(s.served_aliases)
         if control_ports is not None:

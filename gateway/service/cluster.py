@@ -173,9 +173,9 @@ class Cluster:
         their requests in flight end (:meth:`sweep`)."""
         wanted = {e.name: (p, e) for p in pools for e in p.engines}
         added, removed, updated = [], [], []
-        for name, s in self.engines.items():
-            if name not in wanted and not s.removed:
-                s.removed, s.healthy = True, False
+        for name, state in self.engines.items():
+            if name not in wanted and not state.removed:
+                state.removed, state.healthy = True, False
                 removed.append(name)
         for name, (pool, e) in wanted.items():
             role = PoolRole(pool.role)

@@ -19,6 +19,7 @@ ones are kept (oldest first). ``recent`` keeps the last ``MAX_RECENT`` finished 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -111,7 +112,7 @@ class MigrationExecutor:
         self._count_move(action, "started")
         task = asyncio.create_task(self._run(m, token_ids or []), name=f"migration-{sid}")
         self._tasks[sid] = task
-        task.add_done_callback(lambda t, sid=sid: self._forget_task(sid, t))
+        task.add_done_callback(functools.partial(self._forget_task, sid))
         return m
 
     def _count_move(self, action: PlanAction, outcome: str) -> None:

@@ -20,6 +20,7 @@ router (reason ``rehome``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
@@ -64,7 +65,7 @@ class Rehomer:
             return
         task = asyncio.create_task(self.rehome_from(engine), name=f"rehome-{engine}")
         self._tasks[engine] = task
-        task.add_done_callback(lambda t, e=engine: self._done(e, t))
+        task.add_done_callback(functools.partial(self._done, engine))
 
     def _done(self, engine: str, task: asyncio.Task[int]) -> None:
         self._tasks.pop(engine, None)

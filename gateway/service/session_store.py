@@ -33,7 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -248,7 +248,8 @@ class RedisSessionStore:
             return []
 
         async def remote() -> list[SessionRecord]:
-            ids = await self.redis.zrevrange(f"{self.prefix}lru", 0, n - 1)
+            # redis types ZREVRANGE's reply as with or without scores; without, it is the members
+            ids = cast(list[bytes | str], await self.redis.zrevrange(f"{self.prefix}lru", 0, n - 1))
             if not ids:
                 return []
             names = [i.decode() if isinstance(i, bytes) else i for i in ids]
@@ -360,9 +361,9 @@ class RedisSessionStore:
                     raw = await p.get(key)
                     rec = fn(SessionRecord.from_dict(orjson.loads(raw)) if raw is not None else None)
                     if rec is None:
-                        await p.unwatch()
+                        await p.unwatch()  # type: ignore[no-untyped-call]  # redis leaves it unannotated
                         return None
-                    p.multi()
+                    p.multi()  # type: ignore[no-untyped-call]  # redis leaves it unannotated
                     p.set(key, orjson.dumps(rec.to_dict()), px=ttl_ms or self.ttl_ms)
                     p.zadd(lru, {session_id: rec.last_activity})
                     if ns is not None:
@@ -395,7 +396,8 @@ class RedisSessionStore:
 
     async def _evict(self, zset: str, n: int, reason: str) -> int:
         """Forget the ``n`` oldest members of ``zset`` (from every set they are in)."""
-        old = await self.redis.zpopmin(zset, n)
+        # redis types ZPOPMIN's reply as any range reply; it is (member, score) pairs
+        old = cast(list[tuple[bytes | str, float]], await self.redis.zpopmin(zset, n))
         ids = [m.decode() if isinstance(m, bytes) else m for m, _ in old]
         if not ids:
             return 0

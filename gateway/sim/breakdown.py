@@ -52,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    stats: Counter[str] = Counter()
+    # ints (steps, passes) and float sums (ms); every key starts at 0, as in a Counter
+    stats: dict[str, float] = {"steps": 0, "decode_ms": 0, "with_prefill": 0, "prefill_ms": 0}
     us: list[float] = []
     # per sequence: [sum u*dt, sum dt, dt in passes with prefill chunks, own KV share]
     per_seq: dict[int, list[float]] = {}

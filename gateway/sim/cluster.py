@@ -46,7 +46,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from gateway.core.hints import AgentHints
 from gateway.core.load import InflightLoad, Ticket, merge
@@ -199,7 +199,8 @@ class Simulator:
         self._by_name = {e.name: i for i, e in enumerate(self.engines)}
         self._inflight_n = [0] * cfg.workers
         self._pass_version = [0] * cfg.workers
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, Any]] = []
+        """(time, tiebreak, kind, payload); the payload's type depends on the kind (see run)."""
         self._tick = 0
         self._seq = 0
         self._live: dict[int, _Inflight] = {}
@@ -473,26 +474,30 @@ class Simulator:
         pop = heapq.heappop
         if self.controller is not None:
             self._push(self.controller.params.interval_s, _TICK, None)
+        st: _PlayState
+        idx: int
+        ei: int
+        version: int
         while heap:
             t, _, kind, payload = pop(heap)
             self.now = t
             if kind == _ARRIVE:
-                st, idx = payload  # type: ignore[misc]
+                st, idx = payload
                 self._arrive(st, idx, t)
             elif kind == _PASS:
-                ei, version = payload  # type: ignore[misc]
+                ei, version = payload
                 if version == self._pass_version[ei]:
                     self._pass_end(ei, t)
             elif kind == _WAKE:
-                self._wake(payload, t)  # type: ignore[arg-type]
+                self._wake(payload, t)  # payload: the engine index
             elif kind == _TICK:
                 self._control_roles(t)
             elif queue:
-                self._start_play(queue.popleft(), t, payload)  # type: ignore[arg-type]
+                self._start_play(queue.popleft(), t, payload)  # payload: the lane
         return self.records
 
 
-def _params_dict(p: RoutingParams) -> dict[str, object]:
+def _params_dict(p: RoutingParams) -> dict[str, Any]:
     return {k: getattr(p, k) for k in RoutingParams.__slots__}
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gateway.sim.tiers import Tiers
@@ -167,7 +167,7 @@ class Engine:
         """Blocks referenced by at least one running sequence."""
         self.ref2: dict[int, int] = {}
         """References beyond the first, for blocks shared by running sequences."""
-        self._lru: deque[list] = deque()
+        self._lru: deque[list[Any]] = deque()
         """Release records ``[id, hashes tail first, next position]``, oldest first; an entry is
         stale when its block was freed again later (its stamp moved on) or is pinned."""
         self._lru_id = 0
@@ -511,9 +511,9 @@ class Engine:
         steps = 1
         ms = perf.prefill_ms(new_tokens, attn / 1e6) if prefill else 0.0
         if decode:
-            held = sum(s.pinned + s.own for s in decode)
+            held_blocks = sum(s.pinned + s.own for s in decode)
             kv_tokens = sum(s.prompt + s.out_done for s in decode)
-            dms = perf.decode_ms(held / cfg.num_blocks, len(decode), kv_tokens)
+            dms = perf.decode_ms(held_blocks / cfg.num_blocks, len(decode), kv_tokens)
             if not prefill and not self.waiting:
                 steps = min(s.max_out - s.out_done for s in decode)
             ms += dms

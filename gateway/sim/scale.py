@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from gateway.sim.traces import HashChainer, Play, TraceRequest
 
@@ -102,7 +102,7 @@ def weka_json(play: Play, scope: str = "local") -> dict[str, Any]:
     d["models"] = models
     d.setdefault("tool_tokens", 0)
     d.setdefault("system_tokens", 0)
-    for e in d["requests"]:  # type: ignore[union-attr]
+    for e in cast(list[dict[str, Any]], d["requests"]):  # to_weka builds it as a list of dicts
         if e.get("type") == "subagent":
             e.setdefault("subagent_type", "Explore")
             e.setdefault("status", "completed")

@@ -32,6 +32,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.core.block_hash import common_prefix_len
 
@@ -143,7 +144,9 @@ class HashChainer:
 GLOBAL_SCOPE = "global"
 
 
-def _weka_requests(d: dict, chainer: HashChainer, ns: str) -> tuple[list[TraceRequest], dict[str, int]]:
+def _weka_requests(
+    d: dict[str, Any], chainer: HashChainer, ns: str
+) -> tuple[list[TraceRequest], dict[str, int]]:
     root = chainer.root(GLOBAL_SCOPE if d.get("hash_id_scope") == GLOBAL_SCOPE else ns)
     reqs: list[TraceRequest] = []
     last_root: int | None = None  # index of the last root request so far (file order)
@@ -152,7 +155,7 @@ def _weka_requests(d: dict, chainer: HashChainer, ns: str) -> tuple[list[TraceRe
     fan: dict[int | None, list[str]] = {}
     subagents: dict[str, int] = {}
 
-    def add(stream: str, x: dict, t: float) -> TraceRequest:
+    def add(stream: str, x: dict[str, Any], t: float) -> TraceRequest:
         r = TraceRequest(
             idx=len(reqs),
             stream=stream,
@@ -205,8 +208,8 @@ def _weka_requests(d: dict, chainer: HashChainer, ns: str) -> tuple[list[TraceRe
                         r.deps.append(Dep(parent.idx, COMPLETION, max(0.0, r.t - parent.end)))
                     r.gap_s = r.deps[-1].delay_s
         if first is not None:
-            last = reqs[-1]
-            pending_joins.append((max(q.end for q in reqs[first.idx :]), last.idx))
+            last_req = reqs[-1]
+            pending_joins.append((max(q.end for q in reqs[first.idx :]), last_req.idx))
     for sids in fan.values():
         for s in sids:
             subagents[s] = len(sids)
