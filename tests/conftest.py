@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -56,14 +57,59 @@ def models_dir() -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` across processes (parallel test workers build one model)."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(models_dir: Path) -> Path:
-    return build_tiny_model(models_dir / "tiny-llama", "llama")
+    with _locked(models_dir / ".tiny-llama.lock"):
+        return build_tiny_model(models_dir / "tiny-llama", "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(models_dir: Path) -> Path:
-    return build_tiny_model(models_dir / "tiny-gemma3", "gemma3")
+    with _locked(models_dir / ".tiny-gemma3.lock"):
+        return build_tiny_model(models_dir / "tiny-gemma3", "gemma3")
+
+
+HEAVY_FIXTURES = {
+    "cluster": "engine",  # tests/gateway: three vLLM engines
+    "stack": "engine",  # tests/agents: `agentgw serve`'s embedded stack
+    "engines": "engine",  # tests/engine_ext: engines with engine_ext
+    "hybrid_engines": "engine",
+    "kv_cluster": "engine",  # tests/migrations
+    "mooncake": "store",  # a real mooncake_master
+    "redis_url": "redis",  # a real redis-server
+}
+"""Fixtures that start real engines or servers, and the marker a test using one (directly or
+through another fixture) gets: ``-m "not engine and not store and not redis and not docker"``
+selects the tests that need none of them (scripts/test.sh --fast)."""
+
+
+SERIAL_MARKS = ("engine", "store")
+"""Tests that start vLLM engines or share the session's mooncake_master: under pytest-xdist
+(``--dist loadgroup``) they all go to one worker, in order, so that one set of engines runs at a
+time; every other test module is a group of its own (its module fixtures start once)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for fixture, mark in HEAVY_FIXTURES.items():
+            if fixture in used and item.get_closest_marker(mark) is None:
+                item.add_marker(getattr(pytest.mark, mark))
+        if item.get_closest_marker("xdist_group") is None:
+            serial = any(item.get_closest_marker(m) is not None for m in SERIAL_MARKS)
+            item.add_marker(pytest.mark.xdist_group("engines" if serial else item.nodeid.split("::", 1)[0]))
 
 
 def engine_specs(

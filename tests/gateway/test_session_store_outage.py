@@ -23,6 +23,8 @@ from gateway.service.metrics import GatewayMetrics
 from gateway.service.session_store import RedisSessionStore, SessionStoreBusy
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
+pytestmark = pytest.mark.redis
+
 
 class RedisProcess:
     """A redis-server we may stop and start again on the same port (no persistence)."""

@@ -13,6 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.redis
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
