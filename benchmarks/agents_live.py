@@ -63,7 +63,6 @@ from pathlib import Path
 import httpx
 
 from benchmarks._common import ManagedProcess, free_port, percentile, wait_http_ok
-from benchmarks.loopback_proxy import LoopbackProxy
 from benchmarks.overhead import _default_vllm_router_bin
 from gateway.core.hints import HEADER_NAMES, HINT_BODY_KEYS
 from gateway.local.agent_script import AGENT_MODEL, Step, script_text
@@ -77,6 +76,7 @@ from gateway.local.harness import (
     codex_env,
     harness_clients,
 )
+from testing.loopback_proxy import LoopbackProxy
 
 TARGETS = (
     "agentgw",

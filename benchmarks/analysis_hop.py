@@ -18,7 +18,7 @@
    shared-memory arena made once: CPU of this process and of the worker, and wall time, per
    request.
 
-    python -m benchmarks.analysis_hop --base-src /work/main --repeat 3
+    python -m benchmarks.analysis_hop --base-src . --repeat 3
 """
 
 from __future__ import annotations

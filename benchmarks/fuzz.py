@@ -1,7 +1,7 @@
 """The larger schemathesis run against `openapi/agentgw.yaml` (CI runs a bounded one:
 tests/gateway/test_schemathesis.py).
 
-Starts two stand-in engines (`benchmarks.fake_engine`) and a gateway (`python -m gateway serve`)
+Starts two stand-in engines (`testing.fake_engine`) and a gateway (`python -m gateway serve`)
 on loopback, then `schemathesis run` with a fixed seed: every operation, ``--max-examples`` per
 operation, the examples, coverage, fuzzing and stateful phases, and every check by default
 (``--checks``). Prints schemathesis' report and exits with its status (0: no failure).
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 p = ManagedProcess(
                     f"engine-{name}",
-                    [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", MODEL],
+                    [sys.executable, "-m", "testing.fake_engine", "--port", str(port), "--model", MODEL],
                     work,
                 )
                 procs.append(p)

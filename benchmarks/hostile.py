@@ -1,7 +1,7 @@
 """Hostile clients against `agentgw serve`: the gateway's memory and liveness while thousands of
 sockets misbehave, phase by phase, against the quiet gateway of the same run.
 
-The gateway runs as a subprocess in front of a stand-in engine (benchmarks/fake_engine.py) with the
+The gateway runs as a subprocess in front of a stand-in engine (testing/fake_engine.py) with the
 server limits of ``server.*`` set short (``--header-timeout``, ``--body-timeout``, ``--keep-alive``,
 ``--max-connections``) and a small ``limits.max_buffered_body_bytes`` (``--body-budget-mib``). The
 phases, one after the other:
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = (work / "procs.log").open("ab")
     engine = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(eport), "--model", MODEL],
+        [sys.executable, "-m", "testing.fake_engine", "--port", str(eport), "--model", MODEL],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -1,6 +1,6 @@
 """Live mode: replay an agent trace against a running gateway (or any OpenAI-compatible server).
 
-    python -m benchmarks.live_replay --url http://127.0.0.1:8000 --trace /work/shared/traces/weka \\
+    python -m benchmarks.live_replay --url http://127.0.0.1:8000 --trace ../shared/traces/weka \\
         --plays 2 --max-requests 30 --scale --speedup 50 --engines http://127.0.0.1:P1,http://127.0.0.1:P2
     python -m benchmarks.live_replay ... --no-hints          # the same replay without any hint
 

@@ -3,7 +3,7 @@
 For each analysis mode (``--modes``, default ``inline,thread,process``; ``inline`` is the "before":
 render, tokenize and hash on the event loop) one gateway (``python -m gateway serve``) runs with a
 tokenizer configured for the tiny Llama (``gateway.local.tiny_model``) in front of two stand-in
-engines (``benchmarks.fake_engine``). Phases of ``--duration`` seconds each:
+engines (``testing.fake_engine``). Phases of ``--duration`` seconds each:
 
 - ``idle``: only the probes;
 - ``32K`` / ``128K`` / ``200K`` (``--sizes``, in tokens): first turns of that size (one system
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(
             ManagedProcess(
                 f"fake{i}",
-                [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", MODEL],
+                [sys.executable, "-m", "testing.fake_engine", "--port", str(port), "--model", MODEL],
                 workdir,
             )
         )

@@ -1,6 +1,6 @@
 """Gateway overhead: the same load sent straight to a fast stand-in engine and through a router.
 
-Two stand-in engines (``benchmarks.fake_engine``: no model, a few microseconds per request) sit
+Two stand-in engines (``testing.fake_engine``: no model, a few microseconds per request) sit
 behind each router under test. The load generator runs on one core (``--load-core``, 0), the
 engines and every router on another (``--server-core``, 1), so routers compete for one core as in
 docs/benchmarks.md. For each case (body size x concurrency) and target:
@@ -482,7 +482,7 @@ class Bench:
     def start_engines(self) -> None:
         for i, url in enumerate(self.engine_urls()):
             port = int(url.rsplit(":", 1)[1])
-            argv = [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), "--model", MODEL]
+            argv = [sys.executable, "-m", "testing.fake_engine", "--port", str(port), "--model", MODEL]
             self.engines.append(self.spawn(f"fake{i}", argv, port))
         for url, proc in zip(self.engine_urls(), self.engines, strict=True):
             wait_http_ok(url + "/health", 15, proc.proc)
@@ -743,7 +743,7 @@ def summarize(runs: list[dict], targets: list[str], cases: list[Case]) -> list[d
 def target_setup(name: str, args: argparse.Namespace) -> str:
     """What ``name`` ran, in words (printed under the table and stored in the JSON)."""
     if name == "direct":
-        return "engine 0 itself (benchmarks.fake_engine), no router"
+        return "engine 0 itself (testing.fake_engine), no router"
     if name == "gateway":
         return (
             f"agentgw, profile agentic, tokenizer ON (tiny llama, analysis.mode {args.analysis_mode} "

@@ -7,7 +7,7 @@ The hint being measured is the one the admission queue reads
 (``x-agent-parent-session-id``) is a background subagent, and while the gateway is at
 ``admission.max_inflight`` it waits behind every interactive turn (FIFO within each class).
 One gateway (``admission.max_inflight`` 4, no tokenizer) in front of one stand-in engine
-(``benchmarks.fake_engine``, ``--ttft-ms`` / ``--itl-ms``: ~100 ms a request). Each round sends
+(``testing.fake_engine``, ``--ttft-ms`` / ``--itl-ms``: ~100 ms a request). Each round sends
 a fan-out of ``--subagents`` subagent requests at once, then, while they queue, ``--turns``
 main-agent turns of other sessions, and measures every request's time to its first byte:
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "benchmarks.fake_engine",
+            "testing.fake_engine",
             "--port",
             str(eport),
             "--model",

@@ -1,6 +1,6 @@
 """Gateway replicas behind a real load balancer, live: one replica against N behind Debian's nginx
 (round robin, no stickiness, ``proxy_next_upstream error timeout http_503 non_idempotent``:
-gateway/local/replicas.py), on the same real engines, sharing one real redis-server, each replica
+testing/replicas.py), on the same real engines, sharing one real redis-server, each replica
 subscribed to every engine's KV events, tenant keys required.
 
     python -m benchmarks.replicas                      # 3 engines, 3 replicas, 3 repeats
@@ -94,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from gateway.local.embedded import DEFAULT_HOME
     from gateway.local.engines import EngineSpec, free_ports, start_engines
-    from gateway.local.replicas import GatewayReplica, Nginx
     from gateway.local.tiny_model import build_tiny_model
+    from testing.replicas import GatewayReplica, Nginx
 
     plays: list[Play] = load_trace(
         args.trace or default_weka_traces(),

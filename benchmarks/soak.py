@@ -9,7 +9,7 @@ any moment and the run is bounded by ``--duration``.
 
 Two modes:
 
-- stand-in engines (default): ``--engines`` fast stand-ins (benchmarks/fake_engine.py, paced so
+- stand-in engines (default): ``--engines`` fast stand-ins (testing/fake_engine.py, paced so
   that streams are in flight when a fault hits), a real redis-server as the session store; during
   the run engines are SIGKILLed and restarted on the same port (``--kill-every``) and Redis is
   stopped and started again (``--redis-every``).
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
             eargv = [
                 sys.executable,
                 "-m",
-                "benchmarks.fake_engine",
+                "testing.fake_engine",
                 "--port",
                 str(port),
                 "--model",

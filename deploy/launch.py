@@ -26,7 +26,7 @@ Layout (environment, defaults in brackets):
 - Replicas behind a balancer (the ``replicas`` profile): ``gateway INDEX`` serves on
   ``REPLICA_PORT_BASE + INDEX`` [8010] and requires the key in ``API_KEY`` (tenant ``default``;
   ``ADMIN_KEY`` optional); ``balancer`` runs nginx on ``BALANCER_PORT`` [8080] over ``REPLICAS``
-  [3] of them, configured by ``gateway.local.replicas.nginx_conf`` (round robin, retries of
+  [3] of them, configured by ``gateway.local.balancer.nginx_conf`` (round robin, retries of
   requests no replica answered, streams unbuffered).
 
 Services: ``model`` (build the tiny model into ``MODELS_DIR/MODEL`` unless it is there: the ``cpu``
@@ -269,8 +269,8 @@ def run_gateway(layout: Layout, replica: int | None = None) -> None:
 
 
 def run_balancer() -> None:
-    """nginx in front of ``REPLICAS`` gateway replicas (gateway/local/replicas.py's settings)."""
-    from gateway.local.replicas import nginx_conf
+    """nginx in front of ``REPLICAS`` gateway replicas (testing/replicas.py's settings)."""
+    from gateway.local.balancer import nginx_conf
 
     port = _int("BALANCER_PORT", 8080)
     base = _int("REPLICA_PORT_BASE", 8010)

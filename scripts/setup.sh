@@ -73,7 +73,7 @@ fi
 want apt libnuma1 "$(lib libnuma.so.1)"  # vLLM for CPUs links it (vllm._C)
 if [ "$test_deps" = 1 ]; then
   want apt redis-server "$(has redis-server)"  # session sharing and the tests
-  # Debian's nginx 1.22 in front of gateway replicas (tests/gateway/test_balancer.py, benchmarks.replicas)
+  # Debian's nginx 1.22 in front of gateway replicas (tests/benchmarks/test_balancer.py, benchmarks.replicas)
   want apt nginx-light "$( { command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ]; } && echo 1 || echo 0)"
   want apt libibverbs1 "$(lib libibverbs.so.1)"  # Mooncake
   # headless browser for the dashboard test (tests/gateway/test_dashboard_browser.py)

@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${AGENTGW_TEST_WORKERS:-2}
 lint() {
-  .venv/bin/ruff check gateway engine_ext kernels benchmarks tests deploy scripts
+  .venv/bin/ruff check gateway engine_ext kernels benchmarks tests testing deploy scripts
   .venv/bin/mypy
 }
 if [ "${1:-}" = "--fast" ]; then

@@ -237,12 +237,12 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaste
 
 @contextlib.contextmanager
 def fake_engine(*args: str) -> Iterator[str]:
-    """The benchmarks' stand-in OpenAI engine (no model) as a subprocess; yields its URL."""
-    from benchmarks._common import free_port, wait_http_ok
+    """The stand-in OpenAI engine (testing/fake_engine.py: no model) as a subprocess; yields its URL."""
+    from testing.net import free_port, wait_http_ok
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(port), *args],
+        [sys.executable, "-m", "testing.fake_engine", "--port", str(port), *args],
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

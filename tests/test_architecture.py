@@ -123,3 +123,52 @@ def test_each_formula_is_written_once() -> None:
                 gap_defaults.append(where)
     assert pin_sums == ["core/planner.py"], pin_sums
     assert set(gap_defaults) <= {"core/planner.py", "config.py"}, gap_defaults  # config: its default value
+
+
+REPO = ROOT.parent
+
+
+def test_no_tracked_file_names_a_path_of_one_machine() -> None:
+    """A default such as ``/work/shared/traces/weka`` (this docstring excepted) works on one machine only: paths are
+    relative to the checkout, or options."""
+    import re
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    pattern = re.compile(r"(?<![\w./~-])/(?:work|Users)/[\w.-]")
+    bad = []
+    for name in files.splitlines():
+        path = REPO / name
+        if path.suffix not in {".py", ".md", ".sh", ".yml", ".yaml", ".toml", ".json", ".cfg", ".txt", ""}:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if name != "tests/test_architecture.py":
+            bad += [f"{name}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert bad == []
+
+
+def test_tests_reach_the_benchmarks_only_to_test_them() -> None:
+    """The stand-in engine, the loopback proxy, the replica harness and the port helpers live in
+    ``testing/``, which tests and benchmarks both import; only tests/benchmarks/, which tests the
+    benchmark scripts themselves, imports ``benchmarks`` or runs one of its modules."""
+    import re
+
+    tests = REPO / "tests"
+    run = re.compile(r"""["']-m["'],\s*["']benchmarks\.""")
+    bad = []
+    for f in tests.rglob("*.py"):
+        if f.is_relative_to(tests / "benchmarks"):
+            continue
+        uses = any(m == "benchmarks" or m.startswith("benchmarks.") for m in imports(f))
+        if uses or run.search(f.read_text()):
+            bad.append(str(f.relative_to(REPO)))
+    assert bad == []
+    product = [
+        str(f.relative_to(REPO))
+        for f in ROOT.rglob("*.py")
+        if any(m.startswith("testing") for m in imports(f))
+    ]
+    assert product == [], "the product package imports testing/"

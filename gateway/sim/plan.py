@@ -28,7 +28,7 @@ layout at the largest lane count.
 ``agentgw serve``'s default layout (``gateway.local.layout.DEFAULT``) is this recommendation for 3
 engines on the Weka dev trace, recorded with ``--record`` (:data:`RECORD_ARGV`)::
 
-    python -m gateway.sim.plan --trace-path /work/shared/traces/weka --engines 3 --lanes 2,4,6,8 \
+    python -m gateway.sim.plan --trace-path ../shared/traces/weka --engines 3 --lanes 2,4,6,8 \
         --record benchmarks/plans/default_3engines.json
 
 The record holds every point of that sweep, its recommendation, and a small sweep on the
@@ -58,7 +58,7 @@ from gateway.sim.tiers import TiersConfig
 __all__ = ["FINGERPRINT_ARGV", "RECORD_ARGV", "Layout", "layouts", "main", "recommend", "sweep"]
 
 VENDORED = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / "weka"
-RECORD_ARGV = ("--trace-path", "/work/shared/traces/weka", "--engines", "3", "--lanes", "2,4,6,8")
+RECORD_ARGV = ("--trace-path", "../shared/traces/weka", "--engines", "3", "--lanes", "2,4,6,8")
 """The sweep ``gateway.local.layout.DEFAULT`` was measured with (the 48-play Weka dev trace, ~10 min)."""
 FINGERPRINT_ARGV = ("--trace", "synth", "--n", "6", "--engines", "3", "--lanes", "6", "--speedup", "1")
 """A small sweep recorded with it: when its figures change, the routing or the simulator did."""

@@ -23,12 +23,12 @@ from urllib.parse import quote
 import httpx
 from tokenizers import Tokenizer
 
-from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.agent_script import next_output
 from gateway.local.engines import HASH_SEED
 from gateway.wire.openai import ParsedRequest, parse_body
+from testing.loopback_proxy import LoopbackProxy
 from tests.conftest import engine_metric
 
 BLOCK = 128

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 
 from benchmarks.agents_live import Meter, RepeatResult, plan_session, summarize, table, wait_all
-from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.local.agent_script import find_script, messages
+from testing.loopback_proxy import LoopbackProxy
 
 
 def test_sessions_alternate_harnesses_grow_context_and_half_have_a_subagent(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Live replay end to end without engines: a tiny trace through a gateway in front of the stand-in
-engine (benchmarks/fake_engine.py), checking the dependency order, the hints and the metrics."""
+engine (testing/fake_engine.py), checking the dependency order, the hints and the metrics."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.fake_engine import EngineState, serve
 from benchmarks.live_replay import (
     LiveConfig,
     PromptSynth,
@@ -26,6 +25,7 @@ from benchmarks.live_replay import (
 )
 from gateway.sim.scale import to_weka
 from gateway.sim.traces import Play
+from testing.fake_engine import EngineState, serve
 from tests.conftest import ServedGateway, wait_ready
 
 MODEL = "tiny-llama"

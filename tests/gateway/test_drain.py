@@ -1,5 +1,5 @@
 """SIGTERM drain, against real processes: `agentgw serve` as a subprocess in front of a paced
-stand-in engine (benchmarks/fake_engine.py, 50 ms between tokens). With two streams in flight at
+stand-in engine (testing/fake_engine.py, 50 ms between tokens). With two streams in flight at
 SIGTERM, the short one (40 tokens) finishes inside the drain deadline and ends with its last token
 and ``[DONE]``; the long one (2,000 tokens) is cut at the deadline with an error chunk then
 ``[DONE]``; a non-streamed request its (slow) engine has not answered by then gets a 503

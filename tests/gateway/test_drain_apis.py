@@ -1,5 +1,5 @@
 """SIGTERM drain on Anthropic's Messages API and OpenAI's Responses API, against real processes:
-`agentgw serve` as a subprocess in front of a paced stand-in engine (benchmarks/fake_engine.py
+`agentgw serve` as a subprocess in front of a paced stand-in engine (testing/fake_engine.py
 serves both routes, 50 ms between tokens), the harness of tests/gateway/test_drain.py.
 
 With four streams in flight at SIGTERM (a short and a long one on each API): each short one

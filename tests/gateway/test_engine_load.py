@@ -1,7 +1,7 @@
 """The service fills the engine views' load fields from its own phase ledger, ticks the role
 controller, and routes the cost split the way the simulator does for the same arrivals.
 
-Stand-in engines (``benchmarks.fake_engine``, paced: a delay before the first token, then a
+Stand-in engines (``testing.fake_engine``, paced: a delay before the first token, then a
 delay between tokens) make the phases observable: a request the gateway has sent and not yet
 seen a byte of counts in ``prefill_backlog_tokens`` (its uncached prompt tokens), one past its
 first byte in ``decoding``, and both return to 0 when it ends. Only accounting is tested here, so

@@ -26,12 +26,12 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from benchmarks.loopback_proxy import LoopbackProxy
 from gateway.analysis.tokenize import ChatTokenizer
 from gateway.api import anthropic_routes, responses_routes
 from gateway.local.engines import HASH_SEED, LocalEngine
 from gateway.local.harness import claude_argv, claude_env, codex_argv, codex_env, harness_clients
 from gateway.wire.openai import ParsedRequest
+from testing.loopback_proxy import LoopbackProxy
 from tests.conftest import MODEL, ServedGateway, engine_metric
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""Many concurrent streams through one gateway, against the stand-in engines (benchmarks/fake_engine.py).
+"""Many concurrent streams through one gateway, against the stand-in engines (testing/fake_engine.py).
 
 Issue 10's target is 2,000 concurrent streams within the admission limits with no error; CI sends
 a smaller burst through the same path (tokenizer on: the small body analysed on the loop, exact

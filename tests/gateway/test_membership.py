@@ -2,7 +2,7 @@
 file re-read while running, and SIGHUP on ``agentgw serve`` (its ``--config`` file re-read).
 A new engine takes traffic after its first good probe; a removed one takes none from then on and
 its sessions are re-homed at once; a bad list is a 400 naming the key and changes nothing.
-Engines here are the benchmarks' stand-in engine (no model): membership is the gateway's part."""
+Engines here are the stand-in engine (testing/fake_engine.py: no model): membership is the gateway's part."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.local.replicas import GatewayReplica
+from testing.replicas import GatewayReplica
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
 ADMIN, KEY = "membership-admin", "membership-tenant"

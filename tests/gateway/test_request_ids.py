@@ -1,5 +1,5 @@
 """Request ids: the client's ``x-request-id`` (or one made by the gateway) comes back on every
-response, goes to the engine (tests/gateway/test_balancer.py checks vLLM names its completion
+response, goes to the engine (tests/benchmarks/test_balancer.py checks vLLM names its completion
 after it) and is in the log lines written while the request runs."""
 
 from __future__ import annotations

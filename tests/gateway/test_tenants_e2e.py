@@ -19,8 +19,8 @@ import httpx
 import orjson
 import pytest
 
-from benchmarks._common import free_port, wait_http_ok
 from gateway.service.tenants import key_digest
+from testing.net import free_port, wait_http_ok
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 
 MODEL = "m"
@@ -123,7 +123,7 @@ def _killable_engine() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         [
             sys.executable,
             "-m",
-            "benchmarks.fake_engine",
+            "testing.fake_engine",
             "--port",
             str(port),
             "--model",

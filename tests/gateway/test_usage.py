@@ -1,7 +1,7 @@
 """Per-tenant usage metrics: requests, input, cached and output tokens, from the usage each answer
 reports (Chat streamed with include_usage, not streamed, Anthropic Messages) and, when an answer
 reports none, from the gateway's own count (counted as unreported). Real vLLM reports are read by
-the same parser: tests/gateway/test_balancer.py's replay compares them with what clients got."""
+the same parser: tests/benchmarks/test_balancer.py's replay compares them with what clients got."""
 
 from __future__ import annotations
 

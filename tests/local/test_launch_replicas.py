@@ -1,5 +1,5 @@
 """docker-compose.yml's replicas profile: deploy/launch.py's ``gateway INDEX`` (its own port, keys
-required) and ``balancer`` (a real nginx over the replicas, as gateway/local/replicas.py
+required) and ``balancer`` (a real nginx over the replicas, as testing/replicas.py
 configures it)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks._common import wait_http_ok
 from gateway.local.engines import free_ports
+from testing.net import wait_http_ok
 from tests.local.test_layout import ROOT, compose, launch_module
 
 
@@ -98,7 +98,7 @@ def test_the_balancer_spreads_requests_over_the_replicas(tmp_path: Path) -> None
     base, port = _adjacent_free_ports(), free_ports(1)[0]
     stand_ins = [
         subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.fake_engine", "--port", str(base + i), "--model", "m"],
+            [sys.executable, "-m", "testing.fake_engine", "--port", str(base + i), "--model", "m"],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -31,8 +31,8 @@ import pytest
 
 from benchmarks.live_replay import LiveConfig, LiveRecord, load_trace, run_live
 from gateway.local.engines import LocalEngine
-from gateway.local.replicas import GatewayReplica, Nginx
 from gateway.sim.traces import Play
+from testing.replicas import GatewayReplica, Nginx
 from tests.conftest import MODEL, cluster_config
 from tests.gateway.test_session_store_outage import RedisProcess
 

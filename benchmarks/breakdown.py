@@ -1,9 +1,9 @@
 """Where decoding time goes: decode steps vs prefill chunks sharing their passes, and the KV
 fraction held by decoding sequences (what sets the mocker's decode step).
 
-    python -m gateway.sim.breakdown --policy precise_prefix --lanes 24 --speedup 10
-    python -m gateway.sim.breakdown --policy agentic --hints --home-load 5
-    python -m gateway.sim.breakdown --policy agentic --hints --lanes 32 --knee-tok-s 0
+    python -m benchmarks.breakdown --policy precise_prefix --lanes 24 --speedup 10
+    python -m benchmarks.breakdown --policy agentic --hints --home-load 5
+    python -m benchmarks.breakdown --policy agentic --hints --lanes 32 --knee-tok-s 0
 
 Runs one simulation (Weka dev traces by default, tiers on) and prints, over every pass that had
 decoding sequences: decode steps, how many of those passes also carried prefill chunks and the
@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
+from benchmarks._common import default_weka_traces
 from gateway.core.policies.cost import EngineCost
 from gateway.core.router import RoutingParams
 from gateway.sim.cluster import SimConfig, simulate
@@ -38,7 +39,7 @@ from gateway.sim.traces import load_weka, synth_agentx
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", choices=("weka", "synth"), default="weka")
-    ap.add_argument("--trace-path", default="/work/shared/traces/weka")
+    ap.add_argument("--trace-path", default=None, help="the Weka folder (default: shared/traces/weka)")
     ap.add_argument("--n", type=int, default=48)
     ap.add_argument("--policy", default="precise_prefix")
     ap.add_argument("--hints", action="store_true")
@@ -90,7 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Engine.start_pass = counted  # type: ignore[method-assign]
     Engine.finish_pass = finished  # type: ignore[method-assign]
     try:
-        plays = load_weka(args.trace_path) if args.trace == "weka" else synth_agentx(args.n, seed=0)
+        plays = (
+            load_weka(args.trace_path or default_weka_traces())
+            if args.trace == "weka"
+            else synth_agentx(args.n, seed=0)
+        )
         knee = args.slo_tok_s if args.knee_tok_s is None else args.knee_tok_s
         routing = RoutingParams(profile=args.policy, interactivity_tok_s=knee)
         if args.home_load:

@@ -20,7 +20,7 @@ HTTP/1.1 with keep-alive, chunked streaming and TCP_NODELAY, on a raw asyncio pr
 httptools when installed). With ``--ttft-ms`` / ``--itl-ms`` at 0 (the default) a whole stream
 leaves in one write; otherwise the chunks are spaced out in time.
 
-    python -m benchmarks.fake_engine --port 24001 --model bench-model
+    python -m testing.fake_engine --port 24001 --model bench-model
 """
 
 from __future__ import annotations
@@ -595,7 +595,7 @@ def _install_uvloop() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.fake_engine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m testing.fake_engine", description=__doc__.split("\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="bench-model", help="the served model name (others get 404)")
