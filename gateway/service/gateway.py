@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import zmq.asyncio
-
 from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
@@ -24,7 +22,7 @@ from gateway.service.admission import Admission, TenantPass
 from gateway.service.cluster import Cluster
 from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
-from gateway.service.kv_events import KvEventSubscriber
+from gateway.service.kv_events import KvEventFeeds, KvEventSubscriber
 from gateway.service.membership import Membership
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
@@ -80,10 +78,10 @@ class GatewayService:
         self.forwarder = Forwarder(config, upstream, cluster, metrics)
         self.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
         self.admission = Admission(config.admission, metrics=metrics)
-        self.turns = Turns(self)
+        self.turns = Turns(self, self.admission, self.placement, self.forwarder, cluster, metrics)
         """The turn pipeline: a generation request's life, stage by stage."""
-        self._zmq: zmq.asyncio.Context | None = None
-        self.subscribers: list[KvEventSubscriber] = []
+        self.kv_feeds = KvEventFeeds(self.placement.index)
+        """The engines' KV events into the prefix index."""
         self.roles = (
             RoleDriver(cluster, role_params(config.routing)) if config.routing.role_controller else None
         )
@@ -95,7 +93,9 @@ class GatewayService:
                 sessions.redis, cluster.load, period, sessions.prefix, cluster.refresh
             )
             cluster.shared = self.shared_load.of
-        self.membership = Membership(self)
+        self.membership = Membership(
+            config, cluster, self.placement, self.prompts, self.rehomer, self.kv_feeds, metrics
+        )
         """Engines joining and leaving while it runs (SIGHUP, admin API, discovery file)."""
 
     @property
@@ -103,17 +103,17 @@ class GatewayService:
         """The prefix index fed by the engines' KV events."""
         return self.placement.index
 
+    @property
+    def subscribers(self) -> list[KvEventSubscriber]:
+        """Each publishing engine's KV-event subscriber (its coverage: ``/ready``, ``/metrics``)."""
+        return self.kv_feeds.subscribers
+
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self.cluster.on_eject.append(self.rehomer.engine_ejected)
         if self.roles is not None:
             self.roles.start()
-        self._zmq = zmq.asyncio.Context()
-        for s in self.cluster.engines.values():
-            if s.config.kv_events:
-                sub = KvEventSubscriber(self._zmq, self.placement.index, s.name, s.config.kv_events)
-                sub.start()
-                self.subscribers.append(sub)
+        self.kv_feeds.start({s.name: s.config.kv_events for s in self.cluster.engines.values()})
         self.membership.start()
         if self.shared_load is not None:
             self.shared_load.start()
@@ -129,10 +129,7 @@ class GatewayService:
         await self.rehomer.stop()
         await self.prompts.aclose()
         await self.migrations.stop()
-        for sub in self.subscribers:
-            await sub.stop()
-        if self._zmq is not None:
-            self._zmq.term()
+        await self.kv_feeds.stop()
         await self.sessions.close()
 
     # -- a turn ----------------------------------------------------------------------------------

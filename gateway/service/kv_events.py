@@ -134,3 +134,38 @@ class KvEventSubscriber:
         for ev in batch[1]:
             apply_event(self.index, self.engine, ev, self._other_groups)
             self.events += 1
+
+
+class KvEventFeeds:
+    """Every engine's KV-event subscriber into one prefix index: one ZeroMQ context (from
+    :meth:`start` to :meth:`stop`), one subscriber per publishing engine, added and removed as
+    engines join and leave (:mod:`gateway.service.membership`)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.subscribers: list[KvEventSubscriber] = []
+        self._ctx: zmq.asyncio.Context | None = None
+
+    def start(self, engines: dict[str, str | None]) -> None:
+        """Subscribe to each engine of ``engines`` (name -> its publisher endpoint, None: none)."""
+        self._ctx = zmq.asyncio.Context()
+        for name, endpoint in engines.items():
+            self.subscribe(name, endpoint)
+
+    def subscribe(self, engine: str, endpoint: str | None) -> None:
+        if endpoint and self._ctx is not None:
+            sub = KvEventSubscriber(self._ctx, self.index, engine, endpoint)
+            sub.start()
+            self.subscribers.append(sub)
+
+    async def unsubscribe(self, engine: str) -> None:
+        for sub in [s for s in self.subscribers if s.engine == engine]:
+            self.subscribers.remove(sub)
+            await sub.stop()
+
+    async def stop(self) -> None:
+        for sub in self.subscribers:
+            await sub.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

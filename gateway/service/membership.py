@@ -26,17 +26,19 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, PoolConfig
-from gateway.service.kv_events import KvEventSubscriber
+from gateway.service.cluster import Cluster
+from gateway.service.kv_events import KvEventFeeds
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.placement import Placement
+from gateway.service.prompts import Prompts
+from gateway.service.rehome import Rehomer
 from gateway.service.tasks import cancel_and_wait
-
-if TYPE_CHECKING:
-    from gateway.service.gateway import GatewayService
 
 __all__ = ["Membership", "parse_pools", "read_pools_file"]
 
@@ -80,8 +82,25 @@ def read_pools_file(path: str | os.PathLike[str]) -> list[PoolConfig]:
 class Membership:
     """Applies pool lists to a running service and watches the discovery file."""
 
-    def __init__(self, svc: GatewayService, reload: Callable[[], GatewayConfig] | None = None) -> None:
-        self.svc = svc
+    def __init__(
+        self,
+        config: GatewayConfig,
+        cluster: Cluster,
+        placement: Placement,
+        prompts: Prompts,
+        rehomer: Rehomer,
+        feeds: KvEventFeeds,
+        metrics: GatewayMetrics,
+        reload: Callable[[], GatewayConfig] | None = None,
+    ) -> None:
+        self.config = config
+        """The configuration the service started with (a reload applies its ``pools`` only)."""
+        self.cluster = cluster
+        self.placement = placement
+        self.prompts = prompts
+        self.rehomer = rehomer
+        self.feeds = feeds
+        self.metrics = metrics
         self.reload_config = reload
         """Re-reads the configuration (``agentgw serve``: its ``--config`` file); None: no file."""
         self.changes = 0
@@ -93,35 +112,34 @@ class Membership:
     async def apply(self, pools: list[PoolConfig], source: str) -> dict[str, list[str]]:
         """Make ``pools`` the engine list (see the module docstring); returns what changed."""
         async with self._lock:
-            svc = self.svc
-            before = {n: s.config for n, s in svc.cluster.engines.items() if not s.removed}
-            change = svc.cluster.apply_pools(pools)
+            before = {n: s.config for n, s in self.cluster.engines.items() if not s.removed}
+            change = self.cluster.apply_pools(pools)
             # a new server behind an old name: what this replica knew of it is void
             renewed = [
                 n
                 for n in change["updated"]
                 if (old := before.get(n)) is not None
                 and (old.url, old.kv_events)
-                != (svc.cluster.engines[n].config.url, svc.cluster.engines[n].config.kv_events)
+                != (self.cluster.engines[n].config.url, self.cluster.engines[n].config.kv_events)
             ]
             for name in change["removed"] + renewed:
                 await self._unsubscribe(name)
-                svc.placement.core.forget_engine(name)
+                self.placement.core.forget_engine(name)
             for name in change["added"] + renewed:
                 self._subscribe(name)
-            svc.prompts.kv_events = any(
-                s.config.kv_events for s in svc.cluster.engines.values() if not s.removed
+            self.prompts.kv_events = any(
+                s.config.kv_events for s in self.cluster.engines.values() if not s.removed
             )
-            await asyncio.gather(*(svc.cluster.probe_engine(n) for n in change["added"] + renewed))
+            await asyncio.gather(*(self.cluster.probe_engine(n) for n in change["added"] + renewed))
             for name in change["removed"]:  # its pool is still known until the sweep below
-                await svc.rehomer.rehome_from(name)
-            svc.cluster.sweep()
+                await self.rehomer.rehome_from(name)
+            self.cluster.sweep()
             n = sum(len(v) for v in change.values())
             if n:
                 self.changes += 1
                 for kind, names in change.items():
                     if names:
-                        svc.metrics.membership_changes.labels(kind).inc(len(names))
+                        self.metrics.membership_changes.labels(kind).inc(len(names))
                 log.warning(
                     "engines from %s: added %s, removed %s, updated %s",
                     source,
@@ -132,18 +150,10 @@ class Membership:
             return change
 
     def _subscribe(self, name: str) -> None:
-        svc = self.svc
-        state = svc.cluster.engines[name]
-        if state.config.kv_events and svc._zmq is not None:
-            sub = KvEventSubscriber(svc._zmq, svc.placement.index, name, state.config.kv_events)
-            sub.start()
-            svc.subscribers.append(sub)
+        self.feeds.subscribe(name, self.cluster.engines[name].config.kv_events)
 
     async def _unsubscribe(self, name: str) -> None:
-        svc = self.svc
-        for sub in [s for s in svc.subscribers if s.engine == name]:
-            svc.subscribers.remove(sub)
-            await sub.stop()
+        await self.feeds.unsubscribe(name)
 
     async def reload(self, source: str = "reload") -> dict[str, list[str]]:
         """Re-read the configuration file (and the discovery file, which wins for ``pools``)."""
@@ -152,7 +162,7 @@ class Membership:
             new = self.reload_config()
             self._warn_restart_keys(new)
             pools = list(new.pools)
-        disc = self.svc.config.discovery.file
+        disc = self.config.discovery.file
         if disc is not None:
             pools = read_pools_file(disc)
         if pools is None:
@@ -160,14 +170,14 @@ class Membership:
         return await self.apply(pools, source)
 
     def _warn_restart_keys(self, new: GatewayConfig) -> None:
-        old = self.svc.config
+        old = self.config
         changed = [k for k in type(old).model_fields if k != "pools" and getattr(old, k) != getattr(new, k)]
         if changed:
             log.warning("config reload applies 'pools' only; changed keys %s need a restart", changed)
 
     # -- the discovery file --------------------------------------------------------------------
     def start(self) -> None:
-        if self.svc.config.discovery.file is not None:
+        if self.config.discovery.file is not None:
             self._mtime = self._stat()
             self._task = asyncio.create_task(self._watch(), name="discovery")
 
@@ -176,14 +186,14 @@ class Membership:
         await cancel_and_wait(task)
 
     def _stat(self) -> float | None:
-        path = self.svc.config.discovery.file
+        path = self.config.discovery.file
         try:
             return os.stat(path).st_mtime if path is not None else None
         except OSError:
             return None
 
     async def _watch(self) -> None:
-        d = self.svc.config.discovery
+        d = self.config.discovery
         while True:
             await asyncio.sleep(d.interval_s)
             mtime = self._stat()

@@ -29,26 +29,25 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import httpx
 
 from gateway.core.hints import HintError
 from gateway.core.types import Decision
 from gateway.errors import ApiError
-from gateway.service.admission import TenantPass
+from gateway.service.admission import Admission, TenantPass
+from gateway.service.cluster import Cluster
 from gateway.service.errors import DomainError, ResponseNotFound, UpstreamFailed
-from gateway.service.forwarding import Relay
-from gateway.service.placement import Analysis
+from gateway.service.forwarding import Forwarder, Relay
+from gateway.service.metrics import GatewayMetrics
+from gateway.service.placement import Analysis, Placement
 from gateway.service.responses import SCAN_BYTES, find_response_id
 from gateway.service.tenants import Tenant
 from gateway.service.usage import count_usage
 from gateway.wire.openai import ParsedRequest
 
-if TYPE_CHECKING:
-    from gateway.service.gateway import GatewayService
-
-__all__ = ["REFUSALS", "Edge", "Route", "Turns"]
+__all__ = ["REFUSALS", "Edge", "Route", "TurnStages", "Turns"]
 
 log = logging.getLogger("agentgw.turns")
 
@@ -71,6 +70,35 @@ class Route:
     stream_end: tuple[bytes, ...] = (b"data: [DONE]",)
     """What the stream's last event holds: once one has been relayed whole, the answer is
     delivered, and a client that leaves before the engine closes the stream is not a 499."""
+
+
+class TurnStages(Protocol):
+    """The service's stages a turn goes through (:class:`gateway.service.gateway.GatewayService`
+    implements them over its parts)."""
+
+    async def analyze(
+        self,
+        parsed: ParsedRequest,
+        headers: Sequence[tuple[bytes, bytes]],
+        dry_run: bool = ...,
+        tenant: Tenant = ...,
+    ) -> Analysis: ...
+
+    def decide(self, a: Analysis) -> Decision: ...
+
+    def pin_for(self, a: Analysis, d: Decision) -> dict[str, Any] | None: ...
+
+    async def open(
+        self,
+        decision: Decision,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        stream: bool = ...,
+        continues: str | None = ...,
+    ) -> Relay: ...
+
+    async def remember_response(self, response_id: str, up: Relay, tenant: Tenant) -> None: ...
 
 
 class Edge(Protocol):
@@ -197,8 +225,24 @@ class _Turn:
 
 
 class Turns:
-    def __init__(self, service: GatewayService) -> None:
-        self.svc = service
+    """A generation request's life, stage by stage, over what it uses: the service's stages
+    (:class:`TurnStages`), admission, placement, the forwarder, the cluster and the metrics."""
+
+    def __init__(
+        self,
+        stages: TurnStages,
+        admission: Admission,
+        placement: Placement,
+        forwarder: Forwarder,
+        cluster: Cluster,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.stages = stages
+        self.admission = admission
+        self.placement = placement
+        self.forwarder = forwarder
+        self.cluster = cluster
+        self.metrics = metrics
 
     async def run(
         self, route: Route, tenant: Tenant, headers: Sequence[tuple[bytes, bytes]], edge: Edge
@@ -207,7 +251,7 @@ class Turns:
         t0 = time.perf_counter()
         try:
             # a refused request costs its headers, not a read, a parse and an analysis
-            entered = self.svc.admission.enter(tenant, (edge.declared or 0) // 4)
+            entered = self.admission.enter(tenant, (edge.declared or 0) // 4)
         except REFUSALS as exc:
             await self._refuse(route, _Turn(tenant, b"", t0), edge, exc, [])
             return
@@ -242,20 +286,20 @@ class Turns:
             watch.absorb()
             if not turn.counted:
                 turn.counted = True
-                self.svc.metrics.count_request(route.label, "499", turn.pool, "")
+                self.metrics.count_request(route.label, "499", turn.pool, "")
         finally:
             watch.stop()
             if turn.committed and not turn.settled:  # it never reached an engine
                 assert turn.analysis is not None and turn.decision is not None
                 turn.settled = True
-                await self.svc.placement.settle(turn.analysis, turn.decision, None, ok=False)
+                await self.placement.settle(turn.analysis, turn.decision, None, ok=False)
 
     async def _refuse(
         self, route: Route, turn: _Turn, edge: Edge, exc: BaseException, headers: Headers
     ) -> None:
         turn.counted = True
         status = await edge.refuse(exc, headers)
-        self.svc.metrics.count_request(route.label, str(status), turn.pool, "")
+        self.metrics.count_request(route.label, str(status), turn.pool, "")
 
     async def _stages(
         self,
@@ -265,18 +309,17 @@ class Turns:
         edge: Edge,
         watch: _Watch,
     ) -> None:
-        svc = self.svc
         try:
             # a burst is parsed and analysed over several loop iterations
-            await svc.admission.turnstile.enter()
+            await self.admission.turnstile.enter()
             turn.parsed = parsed = edge.parse(turn.raw)
-            turn.analysis = a = await svc.analyze(parsed, headers, tenant=turn.tenant)
-            turn.decision = d = svc.decide(a)
+            turn.analysis = a = await self.stages.analyze(parsed, headers, tenant=turn.tenant)
+            turn.decision = d = self.stages.decide(a)
             # the body the engine gets, before anything is written: one that cannot be
             # forwarded is a 400 that leaves no session state behind
             salt = turn.tenant.cache_salt  # the tenant's, never the client's
-            pin = svc.pin_for(a, d)
-            turn.body = svc.forwarder.body(
+            pin = self.stages.pin_for(a, d)
+            turn.body = self.forwarder.body(
                 parsed.body, turn.raw, a.hints, pin, changed=salt is not None, salt=salt
             )
         except REFUSALS as exc:
@@ -291,13 +334,13 @@ class Turns:
                 # the gateway's limits (the tenant's were checked before the body), then the
                 # engine's; interactive turns first
                 await admitted.enter_async_context(
-                    svc.admission.admit(
+                    self.admission.admit(
                         turn.tenant, interactive, a.request.prompt_tokens, entered=turn.entered
                     )
                 )
-                await admitted.enter_async_context(svc.admission.engine_slot(d.engine, interactive))
+                await admitted.enter_async_context(self.admission.engine_slot(d.engine, interactive))
                 turn.committed = True
-                await svc.placement.place(a, d)
+                await self.placement.place(a, d)
             except REFUSALS as exc:
                 await self._refuse(route, turn, edge, exc, turn.extra_headers)
                 return
@@ -311,15 +354,14 @@ class Turns:
         edge: Edge,
         watch: _Watch,
     ) -> None:
-        svc = self.svc
         a, d, parsed = turn.analysis, turn.decision, turn.parsed
         assert a is not None and d is not None and parsed is not None
         try:
-            up = await svc.open(
+            up = await self.stages.open(
                 d,
                 route.upstream_path,
                 turn.body,
-                svc.forwarder.headers(headers),
+                self.forwarder.headers(headers),
                 parsed.stream,
                 continues=parsed.previous_response_id,
             )
@@ -337,23 +379,21 @@ class Turns:
 
     async def _settle(self, route: Route, turn: _Turn, up: Relay, status: str) -> None:
         """The engine answered (whole, in part, or with an error): count the turn, settle it."""
-        svc = self.svc
         assert turn.analysis is not None and turn.decision is not None
-        svc.metrics.observe_e2e(route.label, time.perf_counter() - turn.t0)
-        svc.metrics.count_request(route.label, status, up.pool, up.engine)
+        self.metrics.observe_e2e(route.label, time.perf_counter() - turn.t0)
+        self.metrics.count_request(route.label, status, up.pool, up.engine)
         turn.counted = turn.settled = True
         up.finished()
-        svc.cluster.end(up.engine)
+        self.cluster.end(up.engine)
         a, d = turn.analysis, turn.decision
-        count_usage(svc.metrics, turn.tenant.name, status, up.tail, a.request.prompt_tokens, d.cached_tokens)
-        await svc.placement.settle(turn.analysis, turn.decision, up.engine, ok=status.startswith("2"))
+        count_usage(self.metrics, turn.tenant.name, status, up.tail, a.request.prompt_tokens, d.cached_tokens)
+        await self.placement.settle(turn.analysis, turn.decision, up.engine, ok=status.startswith("2"))
 
     async def _relay_error(self, route: Route, turn: _Turn, up: Relay, edge: Edge) -> None:
         """An engine's error answer, re-shaped into the API's error shape (vLLM's own errors are
         ``{"detail": ...}`` on some paths). The owner's 404 for a ``previous_response_id`` (it
         evicted the response) becomes OpenAI's 400 ``previous_response_not_found``, as when the
         gateway knows no owner."""
-        svc = self.svc
         status = "502"
         assert turn.parsed is not None
         continues = turn.parsed.previous_response_id
@@ -372,7 +412,7 @@ class Turns:
                 await edge.respond(up.status, headers, body)
                 status = str(up.status)
         except (TimeoutError, httpx.TransportError) as exc:
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            self.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             await edge.refuse(UpstreamFailed(f"engine '{up.engine}' failed mid-response: {exc!r}", False), [])
         except OSError:
             status = "499"
@@ -382,7 +422,6 @@ class Turns:
     async def _relay(
         self, route: Route, turn: _Turn, up: Relay, edge: Edge, watch: _Watch, record_id: bool
     ) -> None:
-        svc = self.svc
         assert turn.parsed is not None
         stream = turn.parsed.stream
         headers = up.headers() + turn.response_headers(up)
@@ -404,7 +443,7 @@ class Turns:
             started = True
             async for chunk in chunks:
                 if first:
-                    svc.metrics.observe_ttft(route.label, time.perf_counter() - turn.t0)
+                    self.metrics.observe_ttft(route.label, time.perf_counter() - turn.t0)
                     first = False
                 if record_id:
                     head += chunk
@@ -412,7 +451,7 @@ class Turns:
                     if rid is not None or len(head) >= SCAN_BYTES:
                         record_id = False
                         if rid is not None:
-                            await svc.remember_response(rid, up, turn.tenant)
+                            await self.stages.remember_response(rid, up, turn.tenant)
                 await edge.send(chunk)
                 if ends and not delivered and chunk.endswith(b"\n\n") and any(e in chunk for e in ends):
                     delivered = True
@@ -424,14 +463,14 @@ class Turns:
                 raise
             if not delivered:
                 status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
+                self.metrics.client_disconnects.labels(up.engine).inc()
             watch.absorb()
         except (TimeoutError, httpx.TransportError) as exc:
             status = "502"
             watch.stop()
-            svc.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
+            self.metrics.upstream_errors.labels(up.engine, type(exc).__name__).inc()
             # died or froze: ejected; whether it still listens, the next probe says
-            svc.cluster.record_connect_failure(up.engine, refused=False)
+            self.cluster.record_connect_failure(up.engine, refused=False)
             log.warning("upstream %s failed mid-response: %r", up.engine, exc)
             message = f"engine '{up.engine}' failed mid-response: {exc!r}"
             with contextlib.suppress(Exception):
@@ -448,7 +487,7 @@ class Turns:
             # disconnect watcher fired: the same outcome
             if not delivered:
                 status = "499"
-                svc.metrics.client_disconnects.labels(up.engine).inc()
+                self.metrics.client_disconnects.labels(up.engine).inc()
         finally:
             watch.stop()
             await self._settle(route, turn, up, status)
