@@ -246,3 +246,21 @@ def test_no_import_cycle_in_the_gateway() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_calls_another_modules_private_names() -> None:
+    """``obj._name(...)`` on anything but ``self``/``cls``: a private of another object, which its
+    owner may change freely (the simulator's planning called the cluster's ``_engine_views``)."""
+    bad = []
+    for f in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("_")
+                and not node.func.attr.startswith("__")
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id in ("self", "cls"))
+                and not (isinstance(node.func.value, ast.Call) and ast.unparse(node.func.value) == "super()")
+            ):
+                bad.append(f"{f.relative_to(ROOT)}:{node.lineno} {ast.unparse(node.func)}")
+    assert bad == []

@@ -273,9 +273,11 @@ class Simulator:
 
     def _views(self) -> tuple[EngineView, ...]:
         """The engines as the gateway sees them, with the live sessions' context homed on each."""
-        return self.core.views(self._engine_views(), self.now)
+        return self.core.views(self.engine_views(), self.now)
 
-    def _engine_views(self) -> tuple[EngineView, ...]:
+    def engine_views(self) -> tuple[EngineView, ...]:
+        """The engines as the gateway's cluster reports them (``Cluster.views()``: load and KV,
+        no sessions' context), what the planner reads after a turn."""
         roles = self._roles
         load = self.load
         exact = load is None  # the engine model's own load fields, else the gateway's ledger
@@ -338,7 +340,7 @@ class Simulator:
             self.session_restarts += 1
         parent = self.sessions.get(parent_id, now) if parent_id is not None else None
         core = self.core
-        a = core.on_arrival(turn, self._index_kind, rec, parent, self._engine_views(), now)
+        a = core.on_arrival(turn, self._index_kind, rec, parent, self.engine_views(), now)
         d = core.decide(a)
         ei = self._by_name[d.engine]
         if self.planner is not None and cfg.hints and sid is not None:

@@ -232,7 +232,7 @@ class FleetSimulator(Simulator):
             w.done(self.sessions.update(w.session_id, t, w.apply))
 
     # -- each replica's load view ----------------------------------------------------------------
-    def _engine_views(self) -> tuple[EngineView, ...]:
+    def engine_views(self) -> tuple[EngineView, ...]:
         if self.now - self._scraped_at >= self.fleet.scrape_s or self._scraped is None:
             self._scraped = tuple(
                 EngineView(

@@ -139,7 +139,7 @@ class SimMigrations:
         )
         self.cancel(sim, sid, "new_plan")
         self.current.pop(sid, None)
-        action = sim.core.plan(turn, sim._engine_views(), IndexKind.PRECISE, hashes, p, now)
+        action = sim.core.plan(turn, sim.engine_views(), IndexKind.PRECISE, hashes, p, now)
         if self._execute(sim, action, hashes) is None:
             sim.core.move_ended(sid)
 
