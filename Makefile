@@ -1,4 +1,4 @@
-.PHONY: install bench-setup run test lint bench
+.PHONY: install bench-setup run test test-fast lint bench
 
 install:
 	./scripts/setup.sh --test
@@ -9,9 +9,12 @@ run:
 test:
 	./scripts/test.sh
 
+test-fast:
+	./scripts/test.sh --fast
+
 lint:
-	.venv/bin/ruff check gateway engine_ext kernels benchmarks tests
-	.venv/bin/ruff format --check gateway engine_ext kernels benchmarks tests
+	.venv/bin/ruff check gateway engine_ext kernels benchmarks tests testing deploy scripts
+	.venv/bin/ruff format --check gateway engine_ext kernels benchmarks tests testing deploy scripts
 	.venv/bin/mypy
 
 bench-setup:
