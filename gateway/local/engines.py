@@ -1,7 +1,7 @@
 """Start and stop local vLLM engines (OpenAI API servers) as child process groups.
 
-Used by `agentgw serve` for local pools and by the test fixtures. Sync code: stdlib
-`subprocess`, `urllib` and threads only.
+Used by `agentgw serve` for local pools and by the test fixtures. Sync code: `subprocess`,
+threads and the gateway's one HTTP client (httpx, its sync API).
 
 Every engine runs with prefix caching, the `sha256_cbor` block hash and a fixed
 `PYTHONHASHSEED` (`HASH_SEED`), so the gateway can recompute vLLM's block hashes; with
@@ -37,12 +37,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+import httpx
 
 __all__ = [
     "DEFAULT_TOOL_CALL_PARSER",
@@ -415,9 +415,8 @@ class LocalEngine:
 
     def _answers(self, path: str) -> bool:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=2.0) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
+            return httpx.get(self.url + path, timeout=2.0, trust_env=False).status_code == 200
+        except (httpx.HTTPError, OSError):
             return False
 
     def _signal_group(self, sig: signal.Signals) -> None:

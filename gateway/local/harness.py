@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 __all__ = [
     "CLAUDE_CODE_PACKAGE",
     "CLAUDE_CODE_VERSION",
@@ -211,14 +213,11 @@ def gateway_url(environ: Mapping[str, str] | None = None) -> str:
 
 def served_model(url: str, key: str, timeout_s: float = 10.0) -> str:
     """The first model the gateway at ``url`` serves now (``GET /v1/models``)."""
-    import urllib.error
-    import urllib.request
-
-    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as r:
-            models = [m["id"] for m in json.loads(r.read())["data"]]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=timeout_s)
+        r.raise_for_status()
+        models = [m["id"] for m in json.loads(r.content)["data"]]
+    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError) as exc:
         raise GatewayUnavailable(
             f"no gateway answers at {url} ({exc}); start one with ./scripts/run.sh, or set AGENTGW_URL"
         ) from None

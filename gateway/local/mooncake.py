@@ -15,11 +15,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import ClassVar
+
+import httpx
 
 from gateway.local.engines import free_ports
 
@@ -93,10 +94,12 @@ class MooncakeMaster:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"mooncake_master exited with {self._proc.returncode}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/health", timeout=1):
+                url = f"http://127.0.0.1:{self.metrics_port}/health"
+                if httpx.get(url, timeout=1, trust_env=False).status_code == 200:
                     return self
-            except OSError:
-                time.sleep(0.1)
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.1)
         self.stop()
         raise TimeoutError("mooncake_master did not become healthy")
 
@@ -106,10 +109,11 @@ class MooncakeMaster:
 
     def capacity_bytes(self) -> int:
         """Memory the mounted segments lend the store (the master's ``master_total_capacity_bytes``)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith("master_total_capacity_bytes "):
-                    return int(float(line.split()[1]))
+        r = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2, trust_env=False)
+        r.raise_for_status()
+        for line in r.text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return int(float(line.split()[1]))
         return 0
 
     def kill(self) -> None:
