@@ -1,152 +1,108 @@
-"""API errors with the right status, rendered in the caller's API shape: OpenAI's
-``{"error": {"message", "type", "param", "code"}}`` or Anthropic's
-``{"type": "error", "error": {"type", "message"}}``."""
+"""The gateway's domain errors: what went wrong, in the gateway's terms, raised by every layer
+below the HTTP edge (the wire adapters, prompt analysis, the service). The edge
+(:mod:`gateway.api.errors`) maps each to a status code and to its API's error shape; nothing here
+knows either."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import orjson
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",  # OpenAI's type for an unknown model, route or id (vLLM's too)
-    408: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    414: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "upstream_timeout",
-}
+__all__ = [
+    "BadRequest",
+    "DomainError",
+    "ModelNotFound",
+    "NoCapacity",
+    "NotAuthenticated",
+    "NotPermitted",
+    "Refused",
+    "ResponseNotFound",
+    "TooLarge",
+    "UpstreamFailed",
+]
 
 
-@dataclass(slots=True)
-class ApiError(Exception):
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    retry_after: int | None = None
+class DomainError(Exception):
+    """Base of the gateway's errors; ``message`` is meant for the client."""
 
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, self.param, self.code)
-
-    def anthropic_body(self) -> bytes:
-        """This error in Anthropic's shape (for ``/v1/messages``): the message names the field."""
-        return anthropic_error_body(self.status, self.message)
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        h = [(b"content-type", b"application/json")]
-        if self.retry_after is not None:
-            h.append((b"retry-after", str(self.retry_after).encode()))
-        return h
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                "param": param,
-                "code": code,
-            }
-        }
-    )
+class ModelNotFound(DomainError):
+    """No pool serves the requested model."""
 
 
-#: Anthropic's error ``type`` per HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
+class NoCapacity(DomainError):
+    """Nothing can take the request now (no healthy engine); try again after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
-def anthropic_error_type(status: int) -> str:
-    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+class UpstreamFailed(DomainError):
+    """The engine failed before the first byte of its response (``connect``: could not be reached
+    at all, after the retries)."""
+
+    def __init__(self, message: str, connect: bool) -> None:
+        super().__init__(message)
+        self.connect = connect
 
 
-def anthropic_error_body(status: int, message: str) -> bytes:
-    return orjson.dumps(
-        {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
-    )
+class ResponseNotFound(DomainError):
+    """No engine holds the stored response (never stored, forgotten, or its engine is gone);
+    ``field`` names where the id came from."""
+
+    def __init__(self, response_id: str, field: str, why: str | None = None) -> None:
+        what = "Previous response" if field == "previous_response_id" else "Response"
+        super().__init__(f"{what} with id '{response_id}' not found." + (f" ({why})" if why else ""))
+        self.response_id = response_id
+        self.field = field
 
 
-def reshape_upstream_error(status: int, body: bytes) -> bytes:
-    """An engine's error body in the OpenAI shape.
+class BadRequest(DomainError):
+    """The request cannot be served as sent; ``field`` names what is wrong, ``code`` says how."""
 
-    OpenAI-shaped with vLLM's own ``type`` and ``code`` (``{"error": {"message": ..., "type":
-    "BadRequestError", "code": 400}}``): the message and a string ``param`` kept, ``type`` the
-    gateway's for the status (``invalid_request_error`` for a 400), ``code`` the engine's when it
-    is a string (OpenAI's codes are), else ``upstream_error``. vLLM/FastAPI's
-    ``{"detail": "..."}`` or ``{"detail": [{"loc": [...], "msg": ...}, ...]}``, a bare
-    ``{"message": ...}``, ``{"error": "text"}``, any other JSON or plain text: re-shaped, the
-    message kept (truncated to 2,000 characters) and ``param`` taken from a validation error's
-    location when there is one. Pure: no I/O, never raises.
-    """
-    try:
-        doc = orjson.loads(body) if body else None
-    except orjson.JSONDecodeError:
-        doc = None
-        text = body.decode("utf-8", "replace").strip()
-    else:
-        text = ""
-    if isinstance(doc, dict):
-        err = doc.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            param_in, code_in = err.get("param"), err.get("code")
-            return error_body(
-                status,
-                _clip(err["message"]) or _default(status),
-                param_in if isinstance(param_in, str) and param_in else None,
-                code_in if isinstance(code_in, str) and code_in else "upstream_error",
-            )
-        param: str | None = None
-        detail = doc.get("detail", doc.get("message", err))
-        if isinstance(detail, list) and detail and isinstance(detail[0], dict):
-            first = detail[0]
-            loc = (
-                [str(p) for p in first.get("loc", ()) if p != "body"]
-                if isinstance(first.get("loc"), list)
-                else []
-            )
-            param = ".".join(loc) or None
-            text = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        elif isinstance(detail, str):
-            text = detail
-        elif detail is not None:
-            text = orjson.dumps(detail).decode()
-        else:
-            text = orjson.dumps(doc).decode()
-        return error_body(status, _clip(text) or _default(status), param, "upstream_error")
-    if doc is not None:
-        text = orjson.dumps(doc).decode()
-    return error_body(status, _clip(text) or _default(status), None, "upstream_error")
+    def __init__(self, message: str, field: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.field = field
+        self.code = code
 
 
-def _clip(text: str, limit: int = 2000) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
+class TooLarge(DomainError):
+    """The request (its body) is larger than the gateway takes; ``code`` names the limit."""
+
+    def __init__(self, message: str, code: str = "request_too_large") -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _default(status: int) -> str:
-    return f"engine answered {status}"
+class NotAuthenticated(DomainError):
+    """The caller presented no key, or one nobody has (``code`` says which)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NotPermitted(DomainError):
+    """The caller's key may not do this (``field``: the part of the request it may not use)."""
+
+    def __init__(self, message: str, code: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.field = field
+
+
+class Refused(DomainError):
+    """Not now: a limit was reached; try again after ``retry_after`` s. ``own``: the caller's
+    own limit (its tenant's concurrency, request or token rate); else the gateway's capacity (a
+    full queue, a busy engine, a session updated concurrently). ``code`` names the limit."""
+
+    def __init__(
+        self, message: str, code: str, retry_after: int, own: bool = False, field: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
+        self.own = own
+        self.field = field

@@ -58,6 +58,61 @@ def test_service_does_not_import_api() -> None:
     assert violations("service", {"gateway.api", "fastapi", "starlette"}) == []
 
 
+#: What gateway/api/errors.py holds for the edge alone: the HTTP error, its bodies, the mapping.
+HTTP_ERROR_NAMES = {
+    "ApiError",
+    "error_body",
+    "anthropic_error_body",
+    "anthropic_error_type",
+    "reshape_upstream_error",
+    "to_api_error",
+    "SERVICE_ERRORS",
+}
+
+
+def imported_names(path: Path) -> set[str]:
+    """The names ``path`` imports with ``from ... import``, each also as ``module.name``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            out |= {a.name for a in node.names} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_http_errors_are_the_edges_own() -> None:
+    """A status code and an error body are chosen in gateway/api only: below it (wire, analysis,
+    service, core...) an error is a domain error of gateway/errors.py; no module outside
+    gateway/api imports gateway/api/errors.py, ``ApiError`` or a helper that shapes an error body."""
+    bad = [v for v in violations(".", {"gateway.api.errors"}) if not v.startswith("api/")]
+    for f in ROOT.rglob("*.py"):
+        if not f.is_relative_to(ROOT / "api"):
+            names = imported_names(f) & (HTTP_ERROR_NAMES | {"gateway.api.errors"})
+            bad += [f"{f.relative_to(ROOT)} imports {n}" for n in sorted(names)]
+    assert bad == []
+
+
+def test_the_domain_errors_know_no_http() -> None:
+    """gateway/errors.py, which every layer imports, holds domain errors only: it imports nothing
+    (no JSON library for bodies, no web framework), names no status and holds no status code."""
+    path = ROOT / "errors.py"
+    tree = ast.parse(path.read_text())
+    assert imports(path) <= {"__future__"}, imports(path)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+    assert [n for n in names if "status" in n.lower() or "http" in n.lower()] == []
+    codes = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and type(n.value) is int and 100 <= n.value <= 599
+    ]
+    assert codes == []
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert classes and all(
+        c.name == "DomainError" or [ast.unparse(b) for b in c.bases] == ["DomainError"] for c in classes
+    )
+
+
 def test_no_module_level_state_in_api_or_service() -> None:
     """State hangs off the app's lifespan: no module-level instances of clients, stores, indexes."""
     suspicious = ("AsyncClient(", "PrefixIndex(", "SessionTable(", "Cluster(", "GatewayMetrics(", "Context(")

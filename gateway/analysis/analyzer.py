@@ -52,7 +52,7 @@ import orjson
 from gateway.analysis.tokenize import ChatTokenizer, PromptInfo, Unsupported, affinity_key
 from gateway.analysis.worker import AnalysisWorker, Spec, WorkerDied, analyse
 from gateway.config import AnalysisConfig, ModelConfig
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 __all__ = ["Analysis", "AnalysisRequest", "AnalysisSkipped", "PromptAnalyzer", "SkipCounter", "prompt_chars"]
 
@@ -127,8 +127,8 @@ def _outcome(out: tuple[Any, ...]) -> PromptInfo:
     if out[0] == "info":
         info: PromptInfo = out[1]
         return info
-    if out[0] == "api":
-        raise ApiError(out[1], out[2], out[3], out[4])
+    if out[0] == "bad":
+        raise BadRequest(out[1], out[2], out[3])
     if out[0] == "unsupported":
         raise AnalysisSkipped(f"unsupported: {out[1]}")
     if out[0] == "error":
@@ -254,7 +254,7 @@ class PromptAnalyzer:
     async def analyze(self, req: AnalysisRequest) -> Analysis:
         """The exact tokens and block hashes of a request. Raises :class:`AnalysisSkipped` (route
         approximately: no tokenizer for the model, not reproducible exactly, no time) or
-        :class:`ApiError` (a 400: the template rejects the body)."""
+        :class:`~gateway.errors.BadRequest` (the template rejects the body)."""
         model, kind, body = req.model, req.kind, req.body
         bs = self.block_sizes.get(model)
         if bs is None:

@@ -16,7 +16,7 @@ wins, ``None`` values are dropped), then transformers' named special tokens are 
 template runs in a sandboxed Jinja environment configured as transformers configures it. Inputs
 whose tokens depend on the engine (media parts, a request chat template,
 ``continue_final_message``, truncation) raise :class:`Unsupported`; shapes vLLM refuses are an
-:class:`~gateway.errors.ApiError` (400) naming the field. The body is never modified.
+:class:`~gateway.errors.BadRequest` naming the field. The body is never modified.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatRenderer", "Unsupported", "content_format"]
 
@@ -196,8 +196,8 @@ def content_format(env: ImmutableSandboxedEnvironment, source: str) -> str:
 # -- vLLM's request normalisation -------------------------------------------------------------------
 
 
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param, "invalid_value")
+def _bad(param: str, message: str) -> BadRequest:
+    return BadRequest(message, param, "invalid_value")
 
 
 def _opt_bool(v: Any, param: str) -> bool | None:
@@ -437,16 +437,15 @@ class ChatRenderer:
         try:
             return self.template.render(messages=conv, **kwargs)
         except TemplateError as exc:
-            raise ApiError(
-                400, f"the chat template rejected 'messages': {exc}", "messages", "invalid_messages"
+            raise BadRequest(
+                f"the chat template rejected 'messages': {exc}", "messages", "invalid_messages"
             ) from None
         except RecursionError:
             field = "tools" if kwargs.get("tools") else "messages"
-            raise ApiError(400, f"'{field}' is nested too deeply", field, "invalid_value") from None
+            raise BadRequest(f"'{field}' is nested too deeply", field, "invalid_value") from None
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
             # the template met a value of a shape it does not handle (e.g. a tool as a number)
-            raise ApiError(
-                400,
+            raise BadRequest(
                 f"the chat template could not render this request: {exc!r}",
                 "messages",
                 "invalid_messages",

@@ -50,7 +50,7 @@ from tokenizers import Tokenizer
 from gateway.analysis.chat_render import SPECIAL_TOKEN_NAMES, ChatRenderer, Unsupported
 from gateway.analysis.fast_bpe import PROBE_TEXTS, FastBPE, _native
 from gateway.core.block_hash import common_prefix_len, external, hash_block, none_hash, salt_keys
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", "affinity_key"]
 
@@ -127,9 +127,9 @@ def _dumps(obj: Any, param: str) -> bytes:
     try:
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
     except RecursionError:
-        raise ApiError(400, f"'{param}' is nested too deeply", param, "invalid_value") from None
+        raise BadRequest(f"'{param}' is nested too deeply", param, "invalid_value") from None
     except (TypeError, ValueError) as exc:
-        raise ApiError(400, f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from None
+        raise BadRequest(f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from None
 
 
 SKETCH_CHARS = 256
@@ -367,7 +367,7 @@ class ChatTokenizer:
         try:
             a = r.render_conversation(stand_in, {**kwargs, "add_generation_prompt": False})
             b = r.render_conversation([*stand_in, *conv[n:]], kwargs)
-        except ApiError:
+        except BadRequest:
             return None  # the whole render says what is wrong with it
         if not b.startswith(a):
             self.stitch_misses += 1
@@ -404,7 +404,7 @@ class ChatTokenizer:
                 kw = r.template_kwargs(body, tools)
                 on = r.render_conversation(conv, {**kw, "add_generation_prompt": True})
                 off = r.render_conversation(conv, {**kw, "add_generation_prompt": False})
-            except (ApiError, Unsupported):
+            except (BadRequest, Unsupported):
                 continue  # a shape this template refuses
             if not on.startswith(off):
                 return "the generation prompt is not appended at the end"
@@ -421,7 +421,7 @@ class ChatTokenizer:
                 for n in range(2, len(conv)):
                     try:
                         bare = r.render_conversation(conv[:n], {**kw, "add_generation_prompt": False})
-                    except ApiError:
+                    except BadRequest:
                         continue
                     prev = _Entry(
                         bare, array("i"), array("q"), array("q"), array("q"), [], [], [], conv[:n], len(bare)
@@ -486,8 +486,9 @@ class ChatTokenizer:
         return self.renderer.render(body)
 
     def prompt_info(self, kind: str, body: dict[str, Any], session_id: str | None = None) -> PromptInfo:
-        """Token ids and block hashes of a chat or completions body. Raises :class:`ApiError`
-        (400) for a body the template rejects and :class:`Unsupported` when not exact.
+        """Token ids and block hashes of a chat or completions body. Raises
+        :class:`~gateway.errors.BadRequest` for a body the template rejects and
+        :class:`Unsupported` when not exact.
         ``session_id`` is accepted for older callers and ignored: reuse is by content."""
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) and salt else None
@@ -656,7 +657,7 @@ class ChatTokenizer:
         try:
             tokens.extend(prompt)
         except (TypeError, OverflowError):
-            raise ApiError(400, "'prompt' token ids must be integers", "prompt", "invalid_value") from None
+            raise BadRequest("'prompt' token ids must be integers", "prompt", "invalid_value") from None
         root = _h(b"ids\0" + _dumps(salt, "cache_salt"))
         step = TOKEN_CHUNK
         keys = _chain(root, (_h(tokens[i : i + step].tobytes()) for i in range(0, len(tokens), step)))

@@ -13,10 +13,11 @@ in the worker's shared-memory arena (:class:`Arena`: bodies of 64 KiB to 1 MiB, 
 the loop), the raw JSON body itself. The worker parses the body, sets ``cache_salt`` from the
 gateway's copy, analyses it with its :class:`~gateway.analysis.tokenize.ChatTokenizer` and
 answers ``(id, outcome)``, ``marshal``-ed: ``("ok", tokens, block hashes as packed ``array("Q")``
-bytes, encoded, token ids as packed ``array("i")`` bytes or None, seconds)``, ``("api", status,
-message, param, code, seconds)`` (a 400), ``("unsupported", reason, seconds)`` or ``("error",
-text, None)`` (the body did not parse, or the analysis raised: the worker goes on). A worker handles
-one request at a time, in order; its first frame says it is ready (its pid).
+bytes, encoded, token ids as packed ``array("i")`` bytes or None, seconds)``, ``("bad", message,
+field, code, seconds)`` (a :class:`~gateway.errors.BadRequest`, rebuilt on the gateway's side),
+``("unsupported", reason, seconds)`` or ``("error", text, None)`` (the body did not parse, or the
+analysis raised: the worker goes on). A worker handles one request at a time, in order; its first
+frame says it is ready (its pid).
 
 A worker that dies (EOF on the socket) fails every request in flight with :class:`WorkerDied`
 and is started again at once (after a growing delay if it died before it was ready, so a worker
@@ -54,7 +55,7 @@ from typing import Any
 import orjson
 
 from gateway.analysis.tokenize import ChatTokenizer, Unsupported
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 __all__ = [
     "ARENA_MIN_BYTES",
@@ -96,13 +97,13 @@ class WorkerDied(Exception):
 
 
 def analyse(tok: ChatTokenizer, kind: str, body: dict[str, Any]) -> tuple[Any, ...]:
-    """In this process: ("info", :class:`PromptInfo`, s), ("api", status, message, param,
-    code, s) or ("unsupported", reason, s); s the seconds it took."""
+    """In this process: ("info", :class:`PromptInfo`, s), ("bad", message, field, code, s) (a
+    :class:`~gateway.errors.BadRequest`) or ("unsupported", reason, s); s the seconds it took."""
     start = time.perf_counter()
     try:
         info = tok.prompt_info(kind, body)
-    except ApiError as exc:
-        return ("api", exc.status, exc.message, exc.param, exc.code, time.perf_counter() - start)
+    except BadRequest as exc:
+        return ("bad", exc.message, exc.field, exc.code, time.perf_counter() - start)
     except Unsupported as exc:
         return ("unsupported", exc.reason, time.perf_counter() - start)
     return ("info", info, time.perf_counter() - start)

@@ -18,8 +18,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.api.auth import read_json_object, require_admin, tenant_of
+from gateway.api.errors import ApiError
 from gateway.config import ConfigError
-from gateway.errors import ApiError
 from gateway.service.dashboard import MAX_SESSIONS, DashboardHistory, dashboard_state
 from gateway.service.gateway import GatewayService
 from gateway.service.membership import parse_pools

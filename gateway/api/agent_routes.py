@@ -26,10 +26,9 @@ from fastapi.responses import JSONResponse
 
 from gateway.api import anthropic_routes, responses_routes
 from gateway.api.auth import read_body, read_json_object, registry, require_admin, tenant_of
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import SERVICE_ERRORS, ApiError, to_api_error
 from gateway.core.hints import MAX_ID_LEN, HintError, parse_hints, unknown_hints
 from gateway.core.turn import decision_dict
-from gateway.errors import ApiError
 from gateway.service.gateway import GatewayService
 from gateway.service.tenants import ANONYMOUS, Tenant
 from gateway.wire.openai import ParsedRequest, parse_body

@@ -10,9 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.api.auth import read_body, tenant_of
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import (
+    SERVICE_ERRORS,
+    ApiError,
+    anthropic_error_body,
+    reshape_upstream_error,
+    to_api_error,
+)
 from gateway.api.relay import Wire
-from gateway.errors import ApiError, anthropic_error_body, reshape_upstream_error
 from gateway.wire import _check
 from gateway.wire.anthropic import parse_messages
 from gateway.wire.openai import ParsedRequest

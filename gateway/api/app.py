@@ -24,16 +24,15 @@ from gateway.api import admin_routes, agent_routes, anthropic_routes, responses_
 from gateway.api.anthropic_routes import MESSAGES_WIRE
 from gateway.api.body_budget import BodyBudget
 from gateway.api.drain import Drain
-from gateway.api.errors import to_api_error
+from gateway.api.errors import ApiError, error_body, to_api_error
 from gateway.api.openai_routes import OPENAI_WIRES
 from gateway.api.relay import GenerationEndpoint, ServiceHolder, Wire, openai_error, send_error
 from gateway.api.responses_routes import RESPONSES_WIRE
 from gateway.config import ConfigError, GatewayConfig
 from gateway.core.router import Router
-from gateway.errors import ApiError, error_body
+from gateway.errors import DomainError
 from gateway.service.cluster import Cluster
 from gateway.service.dashboard import DashboardHistory
-from gateway.service.errors import DomainError
 from gateway.service.gateway import GatewayService
 from gateway.service.membership import read_pools_file
 from gateway.service.metrics import GatewayMetrics

@@ -10,8 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from gateway.api.body_budget import BodyBudget
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
-from gateway.errors import ApiError
+from gateway.api.errors import SERVICE_ERRORS, ApiError, to_api_error
 from gateway.service.tenants import Tenant, TenantRegistry
 from gateway.wire._check import load_object
 

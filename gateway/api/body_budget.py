@@ -15,14 +15,15 @@ leave room for the others.
 
 A chunk that would take the owner past its share ends the read with a 429
 ``tenant_body_budget``, one that would take the whole past the budget with a 503 ``overloaded``,
-both with ``Retry-After`` (the client may retry once others are done). A generation request
+both with ``Retry-After`` (the client may retry once others are done): a
+:class:`~gateway.errors.Refused`, the owner's (``own``) or the gateway's. A generation request
 gives its bytes back when its response is over (the body lives as long as the request); the
 session API and the other short routes when the read ends.
 """
 
 from __future__ import annotations
 
-from gateway.errors import ApiError
+from gateway.errors import Refused
 
 __all__ = ["BodyBudget", "Claim"]
 
@@ -57,29 +58,27 @@ class Claim:
         self.bytes = 0
 
     def take(self, n: int) -> None:
-        """Take ``n`` more bytes, or raise the 429 (the owner's share) or the 503 (the budget)."""
+        """Take ``n`` more bytes, or refuse: the owner's share (``own``: a 429) or the budget (a
+        503)."""
         if n <= 0:
             return
         b = self.budget
         mine = b.by_owner.get(self.owner, 0)
         if b.held + n > b.limit:
             b.refused += 1
-            raise ApiError(
-                503,
+            raise Refused(
                 f"the gateway holds {b.limit} bytes of request bodies (limits.max_buffered_body_bytes); retry",
-                None,
                 "overloaded",
-                retry_after=b.retry_after_s,
+                b.retry_after_s,
             )
         if mine + n > b.per_owner:
             b.refused_owner += 1
-            raise ApiError(
-                429,
+            raise Refused(
                 f"this client holds {b.per_owner} bytes of request bodies being read or served "
                 "(limits.max_buffered_body_bytes_per_tenant); retry",
-                None,
                 "tenant_body_budget",
-                retry_after=b.retry_after_s,
+                b.retry_after_s,
+                own=True,
             )
         b.held += n
         b.by_owner[self.owner] = mine + n

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gateway.errors import ApiError
+from gateway.api.errors import ApiError
 
 log = logging.getLogger("agentgw.drain")
 

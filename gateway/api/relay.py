@@ -21,9 +21,9 @@ from typing import Any
 
 from gateway.api.body_budget import BodyBudget, Claim
 from gateway.api.drain import Drain, Flight
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import SERVICE_ERRORS, ApiError, error_body, reshape_upstream_error, to_api_error
 from gateway.api.server import ABORT_EXTENSION
-from gateway.errors import ApiError, error_body, reshape_upstream_error
+from gateway.errors import TooLarge
 from gateway.service.gateway import GatewayService
 from gateway.service.tenants import Tenant
 from gateway.service.turns import Route
@@ -81,13 +81,14 @@ def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 async def read_body(
     receive: Any, limit: int, claim: Claim | None = None, declared: int | None = None
 ) -> bytes:
-    """The whole body, within ``limit`` (413) and, with a ``claim``, the gateway's body budget
-    (429 past the owner's share, 503 past the whole; the claim holds the bytes until it is
-    released). A ``declared`` length past ``limit`` is refused before a byte is read; bytes are
-    claimed as they arrive, never on the declared length (a client announcing 32 MiB and
-    sending one byte holds one byte)."""
+    """The whole body, within ``limit`` (:class:`~gateway.errors.TooLarge`: a 413) and, with a
+    ``claim``, the gateway's body budget (:class:`~gateway.errors.Refused`: a 429 past the owner's
+    share, a 503 past the whole; the claim holds the bytes until it is released). A ``declared``
+    length past ``limit`` is refused before a byte is read; bytes are claimed as they arrive,
+    never on the declared length (a client announcing 32 MiB and sending one byte holds one
+    byte)."""
     if declared is not None and declared > limit:
-        raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+        raise TooLarge(f"request body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -97,7 +98,7 @@ async def read_body(
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"request body exceeds {limit} bytes", None, "request_too_large")
+            raise TooLarge(f"request body exceeds {limit} bytes")
         if claim is not None and chunk:
             claim.take(len(chunk))
         chunks.append(chunk)
@@ -289,8 +290,8 @@ class GenerationEndpoint:
         try:
             tenant = svc.tenants.authenticate(headers)
             if edge.declared is not None and edge.declared > edge.limit:
-                raise ApiError(413, f"request body exceeds {edge.limit} bytes", None, "request_too_large")
-        except (ApiError, *SERVICE_ERRORS) as exc:
+                raise TooLarge(f"request body exceeds {edge.limit} bytes")
+        except SERVICE_ERRORS as exc:
             status = await edge.refuse(exc, [])
             svc.metrics.count_request(self.route, str(status), "", "")
             return

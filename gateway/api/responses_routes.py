@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.api.auth import tenant_of
-from gateway.api.errors import SERVICE_ERRORS, to_api_error
+from gateway.api.errors import SERVICE_ERRORS, ApiError, to_api_error
 from gateway.api.relay import Wire
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 from gateway.service.responses import RESPONSE_ID
 from gateway.wire import _check
 from gateway.wire.openai import ParsedRequest
@@ -29,7 +29,7 @@ def parse(raw: bytes) -> ParsedRequest:
     body = _check.load_object(raw)
     w = parse_responses(body)
     if w.model is None:
-        raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
+        raise BadRequest("'model' is required", "model", "missing_required_parameter")
     return ParsedRequest(
         "chat", body, w.model, w.stream, w.text_chars, w.chat, w.exact, w.previous_response_id, w.store
     )

@@ -33,8 +33,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.api.drain import Drain
+from gateway.api.errors import error_body
 from gateway.config import GatewayConfig, ServerConfig
-from gateway.errors import error_body
 
 _REASONS = {
     400: "Bad Request",

@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.config import AdmissionConfig
-from gateway.service.errors import Refused
+from gateway.errors import Refused
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import Tenant
 

@@ -24,8 +24,8 @@ from gateway.config import GatewayConfig, TimeoutsConfig
 from gateway.core.hints import GATEWAY_BODY_KEYS, AgentHints
 from gateway.core.load import Ticket
 from gateway.core.types import Decision
+from gateway.errors import BadRequest, UpstreamFailed
 from gateway.service.cluster import Cluster
-from gateway.service.errors import BadRequest, UpstreamFailed
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 

@@ -18,9 +18,9 @@ from gateway.config import GatewayConfig
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
+from gateway.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.admission import Admission, TenantPass
 from gateway.service.cluster import Cluster
-from gateway.service.errors import ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.kv_events import KvEventFeeds, KvEventSubscriber
 from gateway.service.membership import Membership

@@ -24,8 +24,8 @@ from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind, Turn, index_for, restarts
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
+from gateway.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.cluster import Cluster
-from gateway.service.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.migrations import MigrationExecutor
 from gateway.service.prompts import PromptRead, Prompts

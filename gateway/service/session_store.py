@@ -44,7 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from gateway.core.sessions import Mutation, SessionRecord, SessionTable, namespace_of
-from gateway.service.errors import Refused
+from gateway.errors import Refused
 from gateway.service.metrics import GatewayMetrics
 
 REDIS_MAX_CONNECTIONS = 256

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gateway.config import AuthConfig, ConfigError, TenantConfig
-from gateway.service.errors import NotAuthenticated, NotPermitted
+from gateway.errors import NotAuthenticated, NotPermitted
 
 log = logging.getLogger("agentgw.tenants")
 

@@ -18,7 +18,7 @@ cancelled). Stages are the service's modules (:mod:`.prompts`, :mod:`.placement`
 :mod:`.admission`, :mod:`.forwarding`); none calls back into the edge. The edge
 (``gateway/api/relay.py``) authenticates the caller, implements :class:`Edge` in its API's shape
 (errors, stream error events) and calls :meth:`Turns.run`. Errors reach it as exceptions to render
-(:class:`~gateway.errors.ApiError` or the service's domain errors).
+(the gateway's domain errors, :mod:`gateway.errors`, or a :class:`~gateway.core.hints.HintError`).
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ import httpx
 
 from gateway.core.hints import HintError
 from gateway.core.types import Decision
-from gateway.errors import ApiError
+from gateway.errors import DomainError, ResponseNotFound, UpstreamFailed
 from gateway.service.admission import Admission, TenantPass
 from gateway.service.cluster import Cluster
-from gateway.service.errors import DomainError, ResponseNotFound, UpstreamFailed
 from gateway.service.forwarding import Forwarder, Relay
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.placement import Analysis, Placement
@@ -54,7 +53,7 @@ log = logging.getLogger("agentgw.turns")
 Headers = list[tuple[bytes, bytes]]
 
 #: What a stage raises for the edge to render as the answer (nothing was sent yet).
-REFUSALS = (ApiError, DomainError, HintError)
+REFUSALS = (DomainError, HintError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +109,12 @@ class Edge(Protocol):
         ...
 
     async def read(self) -> bytes:
-        """The whole body (raises ApiError: too large, over the body budget;
+        """The whole body (raises TooLarge past the size limit, Refused over the body budget;
         ConnectionAbortedError: the client left)."""
         ...
 
     def parse(self, raw: bytes) -> ParsedRequest:
-        """The body through the API's wire adapter (raises ApiError naming the field)."""
+        """The body through the API's wire adapter (raises BadRequest naming the field)."""
         ...
 
     async def wait_disconnect(self) -> None:

@@ -1,9 +1,10 @@
 """Every wire format the gateway speaks, reduced to what it routes and hashes on: OpenAI's Chat
 Completions and Completions (:mod:`gateway.wire.openai`), Anthropic's Messages, OpenAI's Responses.
 
-Pure (no I/O): each converter of a non-chat API validates a parsed JSON body (a 400 :class:`~gateway.errors.ApiError`
-naming the field) and returns a :class:`WirePrompt` whose ``chat`` is the Chat Completions
-request vLLM 0.32 builds internally for it, so one chat renderer gives every API's prompt.
+Pure (no I/O): each converter of a non-chat API validates a parsed JSON body (a
+:class:`~gateway.errors.BadRequest` naming the field) and returns a :class:`WirePrompt` whose
+``chat`` is the Chat Completions request vLLM 0.32 builds internally for it, so one chat renderer
+gives every API's prompt.
 """
 
 from gateway.wire._check import load_object

@@ -1,4 +1,5 @@
-"""Shape checks shared by the wire converters: each failure is a 400 :class:`ApiError` naming the field.
+"""Shape checks shared by the wire converters: each failure is a
+:class:`~gateway.errors.BadRequest` naming the field.
 
 The checks mirror the pydantic types vLLM 0.32 declares for the same field (a string field takes
 no number, an integer field takes an integral float, an optional field takes ``null``), so what
@@ -12,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 
 def load_object(raw: bytes) -> dict[str, Any]:
@@ -20,22 +21,22 @@ def load_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        raise BadRequest(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+        raise BadRequest("request body must be a JSON object", None, "invalid_json")
     return body
 
 
-def missing(field: str) -> ApiError:
-    return ApiError(400, f"'{field}' is required", field, "missing_required_parameter")
+def missing(field: str) -> BadRequest:
+    return BadRequest(f"'{field}' is required", field, "missing_required_parameter")
 
 
-def wrong(field: str, what: str) -> ApiError:
-    return ApiError(400, f"'{field}' must be {what}", field, "invalid_type")
+def wrong(field: str, what: str) -> BadRequest:
+    return BadRequest(f"'{field}' must be {what}", field, "invalid_type")
 
 
-def bad_value(field: str, message: str) -> ApiError:
-    return ApiError(400, f"'{field}' {message}", field, "invalid_value")
+def bad_value(field: str, message: str) -> BadRequest:
+    return BadRequest(f"'{field}' {message}", field, "invalid_value")
 
 
 def opt_str(d: Mapping[str, Any], key: str, field: str) -> str | None:

@@ -37,7 +37,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 from gateway.wire import _check as c
 from gateway.wire.types import WirePrompt
 
@@ -114,7 +114,7 @@ def parse_messages(
 ) -> WirePrompt:
     """Validate a Messages (or, with ``count_tokens``, a count_tokens) body and convert it.
 
-    Raises :class:`ApiError` (400) naming the first bad field."""
+    Raises :class:`~gateway.errors.BadRequest` naming the first bad field."""
     _validate(body, count_tokens)
     conv = _Converter(merge_inline_system)
     conv.system(body.get("system"), body["messages"])
@@ -162,7 +162,7 @@ def parse_messages(
 # -- validation ----------------------------------------------------------------------------------
 def _validate(body: Mapping[str, Any], count_tokens: bool) -> None:
     if not isinstance(body, Mapping):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+        raise BadRequest("request body must be a JSON object", None, "invalid_json")
     model = c.req_str(body, "model", "model")
     if not model:
         raise c.bad_value("model", "must not be empty")

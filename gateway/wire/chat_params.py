@@ -54,7 +54,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
     """A Chat Completions ``tools`` list as vLLM hands it to the template: each tool through
     ``ChatCompletionToolsParam(...).model_dump()`` (``description: None`` added, keys in model
     order, unknown keys dropped, ``strict`` / ``defer_loading`` only when set, a tool-level
-    ``defer_loading`` copied into the function). Raises :class:`ApiError` naming the field."""
+    ``defer_loading`` copied into the function). Raises :class:`~gateway.errors.BadRequest` naming the field."""
     if tools is None:
         return None
     if not isinstance(tools, list):

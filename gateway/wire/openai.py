@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 
 @dataclass(slots=True)
@@ -42,8 +42,7 @@ def _content_len(content: Any, i: int) -> int:
     if content is None:
         return 0
     if not isinstance(content, list):
-        raise ApiError(
-            400,
+        raise BadRequest(
             f"'messages[{i}].content' must be a string, an array of content parts or null",
             f"messages[{i}].content",
             "invalid_type",
@@ -62,42 +61,42 @@ def _content_len(content: Any, i: int) -> int:
     return n
 
 
-def _bad_part(part: Any, i: int, j: int) -> ApiError:
+def _bad_part(part: Any, i: int, j: int) -> BadRequest:
     """The error for a content part the fast path in ``_content_len`` did not accept."""
     field = f"messages[{i}].content[{j}]"
     if not isinstance(part, dict):
-        return ApiError(400, f"'{field}' must be an object (a content part)", field, "invalid_type")
+        return BadRequest(f"'{field}' must be an object (a content part)", field, "invalid_type")
     if not isinstance(part.get("type", ""), str):
-        return ApiError(400, f"'{field}.type' must be a string", f"{field}.type", "invalid_type")
+        return BadRequest(f"'{field}.type' must be a string", f"{field}.type", "invalid_type")
     if part.get("text") is None:
-        return ApiError(400, f"'{field}.text' is required", f"{field}.text", "missing_required_parameter")
-    return ApiError(400, f"'{field}.text' must be a string", f"{field}.text", "invalid_type")
+        return BadRequest(f"'{field}.text' is required", f"{field}.text", "missing_required_parameter")
+    return BadRequest(f"'{field}.text' must be a string", f"{field}.text", "invalid_type")
 
 
 def parse_body(kind: str, raw: bytes) -> ParsedRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        raise BadRequest(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+        raise BadRequest("request body must be a JSON object", None, "invalid_json")
     model = body.get("model")
     if model is None:
-        raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
+        raise BadRequest("'model' is required", "model", "missing_required_parameter")
     if not isinstance(model, str) or not model.strip():
-        raise ApiError(400, "'model' must be a non-empty string", "model", "invalid_type")
+        raise BadRequest("'model' must be a non-empty string", "model", "invalid_type")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")
+        raise BadRequest("'stream' must be a boolean", "stream", "invalid_type")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
-        raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
+        raise BadRequest("'stream_options' must be an object", "stream_options", "invalid_type")
     if kind == "chat":
         chars = _parse_messages(body)
         for key, typ, what in (("tools", list, "an array"), ("chat_template_kwargs", dict, "an object")):
             v = body.get(key)
             if v is not None and not isinstance(v, typ):
-                raise ApiError(400, f"'{key}' must be {what}", key, "invalid_type")
+                raise BadRequest(f"'{key}' must be {what}", key, "invalid_type")
     else:
         chars = _parse_prompt(body)
     return ParsedRequest(kind, body, model, stream, chars, raw=raw)
@@ -106,16 +105,16 @@ def parse_body(kind: str, raw: bytes) -> ParsedRequest:
 def _parse_messages(body: dict[str, Any]) -> int:
     messages = body.get("messages")
     if messages is None:
-        raise ApiError(400, "'messages' is required", "messages", "missing_required_parameter")
+        raise BadRequest("'messages' is required", "messages", "missing_required_parameter")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array", "messages", "invalid_type")
+        raise BadRequest("'messages' must be a non-empty array", "messages", "invalid_type")
     chars = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ApiError(400, f"'messages[{i}]' must be an object", f"messages[{i}]", "invalid_type")
+            raise BadRequest(f"'messages[{i}]' must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            raise ApiError(400, f"'messages[{i}].role' is required", f"messages[{i}].role", "invalid_type")
+            raise BadRequest(f"'messages[{i}].role' is required", f"messages[{i}].role", "invalid_type")
         chars += _content_len(m.get("content"), i)
     return chars
 
@@ -123,7 +122,7 @@ def _parse_messages(body: dict[str, Any]) -> int:
 def _parse_prompt(body: dict[str, Any]) -> int:
     prompt = body.get("prompt")
     if prompt is None:
-        raise ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter")
+        raise BadRequest("'prompt' is required", "prompt", "missing_required_parameter")
     if isinstance(prompt, str):
         return len(prompt)
     if isinstance(prompt, list) and prompt:
@@ -133,8 +132,7 @@ def _parse_prompt(body: dict[str, Any]) -> int:
             return 4 * len(prompt)
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
             return 4 * sum(len(p) for p in prompt)
-    raise ApiError(
-        400,
+    raise BadRequest(
         "'prompt' must be a string, an array of strings or an array of token ids",
         "prompt",
         "invalid_type",

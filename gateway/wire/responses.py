@@ -36,7 +36,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 from gateway.wire import _check as c
 from gateway.wire.types import WirePrompt
 
@@ -64,11 +64,11 @@ def custom_tool_parameters() -> dict[str, Any]:
 def parse_responses(
     body: Mapping[str, Any], *, exclude_tools_when_tool_choice_none: bool = False
 ) -> WirePrompt:
-    """Validate a Responses body and convert it. Raises :class:`ApiError` (400) naming the field.
+    """Validate a Responses body and convert it. Raises :class:`~gateway.errors.BadRequest` naming the field.
 
     ``exclude_tools_when_tool_choice_none`` mirrors the engine flag of that name."""
     if not isinstance(body, Mapping):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+        raise BadRequest("request body must be a JSON object", None, "invalid_json")
     model = c.opt_str(body, "model", "model")
     stream = c.opt_bool(body, "stream", "stream")
     store = c.opt_bool(body, "store", "store")

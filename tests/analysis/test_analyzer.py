@@ -14,8 +14,9 @@ import pytest
 
 from gateway.analysis import Analysis, AnalysisRequest, AnalysisSkipped, PromptAnalyzer
 from gateway.analysis.tokenize import ChatTokenizer
+from gateway.api.errors import to_api_error
 from gateway.config import AnalysisConfig, ModelConfig
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 from gateway.service.metrics import GatewayMetrics
 
 SYSTEM = "You are a careful agent. " * 200
@@ -72,9 +73,9 @@ async def test_every_mode_gives_the_tokenizers_answer(tiny_llama: Path, mode: st
         with pytest.raises(AnalysisSkipped) as skip:  # no tokenizer for this model (not counted)
             await analyze(an, "plain", "chat", body("x"))
         assert skip.value.reason == "no_tokenizer"
-        with pytest.raises(ApiError) as err:
+        with pytest.raises(BadRequest) as err:
             await analyze(an, "m", "chat", {**body("x"), "tools": [{"type": "function", "function": {}}]})
-        assert err.value.status == 400 and err.value.param == "tools[0].function.name"
+        assert to_api_error(err.value).status == 400 and err.value.field == "tools[0].function.name"
         with pytest.raises(AnalysisSkipped) as skip:
             await analyze(an, "m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
         assert skip.value.reason.startswith("unsupported")
@@ -306,9 +307,9 @@ async def test_worker_answers_equal_the_inline_analysis(tiny_llama: Path) -> Non
                 assert (got.num_tokens, got.hashes) == (want.num_tokens, want.hashes)
                 assert list(got.tokens) == (list(want.tokens) if tokens else [])
         bad = {**body("x"), "tools": [{"type": "function", "function": {}}]}
-        with pytest.raises(ApiError) as err:
+        with pytest.raises(BadRequest) as err:
             await analyze(an, "m", "chat", bad, raw=orjson.dumps(bad))
-        assert (err.value.status, err.value.param) == (400, "tools[0].function.name")
+        assert (to_api_error(err.value).status, err.value.field) == (400, "tools[0].function.name")
         with pytest.raises(AnalysisSkipped):
             await analyze(an, "m", "chat", {**body("x"), "chat_template": "{{ 1 }}"})
         # bytes that do not parse fail that request only: the worker answers the next one

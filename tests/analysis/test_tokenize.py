@@ -15,8 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.analysis.tokenize import ChatTokenizer, Unsupported
+from gateway.api.errors import to_api_error
 from gateway.core.block_hash import hash_tokens
-from gateway.errors import ApiError
+from gateway.errors import BadRequest
 
 JSON = {"content-type": "application/json"}
 SYSTEM = "You are a coding agent. Follow the repository's conventions. " * 60
@@ -283,9 +284,9 @@ def test_deeply_nested_tools_are_a_400_naming_tools(tiny_llama: Path, depth: int
     if depth < 800:
         assert tok.prompt_info("chat", body).num_tokens > depth  # vLLM renders this one too
         return
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(BadRequest) as err:
         tok.prompt_info("chat", body)
-    assert err.value.status == 400 and err.value.param == "tools"
+    assert to_api_error(err.value).status == 400 and err.value.field == "tools"
 
 
 def test_bad_tool_shapes_are_400s_and_engine_dependent_inputs_unsupported(tiny_llama: Path) -> None:
@@ -296,9 +297,9 @@ def test_bad_tool_shapes_are_400s_and_engine_dependent_inputs_unsupported(tiny_l
         ([{"type": "function", "function": {"description": "no name"}}], "tools[0].function.name"),
         ([{"type": "custom", "function": {"name": "f"}}], "tools[0].type"),
     ):
-        with pytest.raises(ApiError) as err:
+        with pytest.raises(BadRequest) as err:
             tok.prompt_info("chat", {"messages": msgs, "tools": tools})
-        assert err.value.status == 400 and err.value.param == param
+        assert to_api_error(err.value).status == 400 and err.value.field == param
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
     for body in ({"messages": image}, {"messages": msgs, "chat_template": "{{ 1 }}"}):
         with pytest.raises(Unsupported):

@@ -20,8 +20,8 @@ from aiohttp import web
 
 from gateway.config import load_config
 from gateway.core.types import Decision
+from gateway.errors import UpstreamFailed
 from gateway.service.cluster import Cluster
-from gateway.service.errors import UpstreamFailed
 from gateway.service.forwarding import Forwarder
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import make_upstream

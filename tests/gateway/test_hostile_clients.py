@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.errors import reshape_upstream_error
+from gateway.api.errors import reshape_upstream_error
 from gateway.service.tenants import key_digest
 from tests.conftest import ServedGateway, fake_engine, wait_ready
 

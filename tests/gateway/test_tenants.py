@@ -10,7 +10,7 @@ import pytest
 
 from gateway.api.errors import to_api_error
 from gateway.config import ConfigError, load_config
-from gateway.service.errors import NotAuthenticated, NotPermitted
+from gateway.errors import NotAuthenticated, NotPermitted
 from gateway.service.tenants import ADMIN, ANONYMOUS, TenantRegistry, key_digest
 
 ACME_KEY = "sk-acme-0123456789"

@@ -1,11 +1,13 @@
-"""An ApiError renders in Anthropic's error shape with Anthropic's error type for its status."""
+"""An ApiError renders in Anthropic's error shape with Anthropic's error type for its status; a
+wire adapter's BadRequest renders through it."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from gateway.errors import ApiError, anthropic_error_type
+from gateway.api.errors import ApiError, anthropic_error_type, to_api_error
+from gateway.errors import BadRequest
 from gateway.wire.anthropic import parse_messages
 
 TYPES = [
@@ -33,13 +35,14 @@ def test_error_type_per_status(status: int, kind: str) -> None:
 
 
 def test_a_bad_messages_request_renders_naming_the_field() -> None:
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(BadRequest) as err:
         parse_messages({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": 3}]})
-    body = orjson.loads(err.value.anthropic_body())
+    api = to_api_error(err.value)
+    body = orjson.loads(api.anthropic_body())
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content" in body["error"]["message"]
     # the OpenAI shape is unchanged
-    assert orjson.loads(err.value.body())["error"]["param"] == "messages[0].content"
+    assert orjson.loads(api.body())["error"]["param"] == "messages[0].content"
 
 
 @pytest.mark.parametrize(
@@ -62,7 +65,7 @@ def test_thinking_budget_is_compared_with_the_parsed_max_tokens(
     if ok and kv is None:
         parse_messages(body)
         return
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(BadRequest) as err:
         parse_messages(body)
-    assert err.value.status == 400
-    assert err.value.param == ("kv_transfer_params" if kv is not None else "thinking.budget_tokens")
+    assert to_api_error(err.value).status == 400
+    assert err.value.field == ("kv_transfer_params" if kv is not None else "thinking.budget_tokens")

@@ -195,10 +195,10 @@ def test_chat_tools_dump_like_vllm(tools: Any) -> None:
 def test_chat_tools_bad_input_names_the_field(tools: Any, field: str) -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from gateway.errors import ApiError
+    from gateway.errors import BadRequest
 
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(BadRequest) as err:
         chat_tools(tools)
-    assert err.value.param == field
+    assert err.value.field == field
     with pytest.raises(Exception):  # noqa: B017 - vLLM refuses it too
         ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "tools": tools})

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import ApiError
+from gateway.api.errors import to_api_error
+from gateway.errors import BadRequest
 from gateway.wire.responses import parse_responses
 from tests.wire.oracle import template_view, vllm_responses
 
@@ -289,10 +290,10 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("name", "body", "field"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_names_the_field(name: str, body: dict[str, Any], field: str) -> None:
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(BadRequest) as err:
         parse_responses(body)
-    assert err.value.status == 400
-    assert err.value.param == field
+    assert to_api_error(err.value).status == 400
+    assert err.value.field == field
     assert field in err.value.message
     with pytest.raises(Exception):  # noqa: B017 - vLLM refuses it too (pydantic or its converter)
         vllm_responses(body)
