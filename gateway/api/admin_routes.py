@@ -39,47 +39,32 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", summary="Readiness: every configured pool has a healthy engine")
 async def ready(request: Request) -> JSONResponse:
-    cluster = _svc(request).cluster
-    pools = cluster.ready()
+    # the pools, the shared store, the engines routing skips and why, how stale the prefix index
+    # may be (KV events are not replayed to a replica that (re)starts)
+    state = await _svc(request).readiness(time.time())
+    pools = state["pools"]
     draining = request.app.state.drain.draining  # SIGTERM: finishing what is in flight
     ok = bool(pools) and all(pools.values()) and not draining
-    svc = _svc(request)
-    degraded = await svc.sessions.probe()  # a shared store down: routing on the local view
-    now = time.time()
-    # how stale the prefix index may be: KV events are not replayed to a replica that (re)starts
-    index = {sub.engine: sub.coverage(now) for sub in svc.subscribers}
-    # the engines routing skips, and why (starting, refusing connections, failing probes), with
-    # where their logs are when the gateway started them itself
+    # with where the engines' logs are when the gateway started them itself
     notes: dict[str, str] = request.app.state.engine_notes
     waiting = {
-        name: f"{why} ({notes[name]})" if name in notes else why for name, why in cluster.waiting().items()
+        name: f"{why} ({notes[name]})" if name in notes else why for name, why in state["waiting_for"].items()
     }
     body = {
         "ready": ok,
         "pools": pools,
-        "degraded": degraded,
+        "degraded": state["degraded"],
         "draining": draining,
         "waiting_for": waiting,
-        "prefix_index": index,
+        "prefix_index": state["prefix_index"],
     }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics (admin key)", dependencies=[Depends(require_admin)])
 async def metrics(request: Request) -> Response:
-    svc = _svc(request)
-    for name, s in svc.cluster.engines.items():
-        svc.metrics.engine_healthy.labels(name).set(1 if s.healthy else 0)
-        svc.metrics.inflight.labels(name).set(s.inflight)
-    for pool, panic in svc.cluster.panicking().items():
-        svc.metrics.engine_panic.labels(pool).set(1 if panic else 0)
-    svc.metrics.session_store_degraded.set(1 if await svc.sessions.probe() else 0)
-    now = time.time()
-    for sub in svc.subscribers:
-        cov = sub.coverage(now)
-        svc.metrics.index_coverage.labels(sub.engine).set(cov["complete_for_s"])
-        svc.metrics.kv_event_gaps.labels(sub.engine).set(cov["gaps"])
-    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = await _svc(request).metrics_text(time.time())
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/models", summary="The models served by healthy engines, in OpenAI's shape")

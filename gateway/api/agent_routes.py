@@ -74,7 +74,7 @@ def _session_json(svc: GatewayService, rec: Any, tenant: Tenant, session_id: str
         "inflight": rec.inflight,
         "last_activity": rec.last_activity,
         "last_decision": rec.last_decision,
-        "migration": m.to_dict() if (m := svc.migrations.current.get(rec.session_id)) else None,
+        "migration": svc.migration(rec.session_id),
     }
 
 
@@ -104,7 +104,7 @@ async def post_hints(session_id: str, request: Request) -> JSONResponse:
 async def get_session(session_id: str, request: Request) -> JSONResponse:
     svc = _svc(request)
     tenant, sid = _stored_id(request, session_id)
-    rec = await svc.sessions.get(sid, svc.clock())
+    rec = await svc.session(sid)
     if rec is None:
         raise ApiError(
             404,

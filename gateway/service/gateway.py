@@ -238,6 +238,43 @@ class GatewayService:
             return await self.forwarder.call(d.engine, "POST", path, raw)
 
     # -- sessions ------------------------------------------------------------------------------
+    async def session(self, session_id: str) -> SessionRecord | None:
+        """The (stored) session's record, None when it is not known."""
+        return await self.sessions.get(session_id, self.clock())
+
+    def migration(self, session_id: str) -> dict[str, object] | None:
+        """The session's current or last planned move, as the session API shows it."""
+        m = self.migrations.current.get(session_id)
+        return m.to_dict() if m is not None else None
+
+    # -- operator views --------------------------------------------------------------------------
+    async def readiness(self, now: float) -> dict[str, Any]:
+        """What ``/ready`` reports (without the drain, which is the edge's): each pool's
+        readiness, whether the shared session store is down, the engines routing skips and why,
+        and how stale each engine's part of the prefix index may be."""
+        return {
+            "pools": self.cluster.ready(),
+            "degraded": await self.sessions.probe(),  # a shared store down: routing on the local view
+            "waiting_for": self.cluster.waiting(),
+            "prefix_index": {sub.engine: sub.coverage(now) for sub in self.subscribers},
+        }
+
+    async def metrics_text(self, now: float) -> bytes:
+        """The Prometheus exposition, its gauges of engines, pools, the store and the index
+        refreshed first."""
+        m = self.metrics
+        for name, s in self.cluster.engines.items():
+            m.engine_healthy.labels(name).set(1 if s.healthy else 0)
+            m.inflight.labels(name).set(s.inflight)
+        for pool, panic in self.cluster.panicking().items():
+            m.engine_panic.labels(pool).set(1 if panic else 0)
+        m.session_store_degraded.set(1 if await self.sessions.probe() else 0)
+        for sub in self.subscribers:
+            cov = sub.coverage(now)
+            m.index_coverage.labels(sub.engine).set(cov["complete_for_s"])
+            m.kv_event_gaps.labels(sub.engine).set(cov["gaps"])
+        return m.render()
+
     async def end_session(self, session_id: str) -> SessionRecord | None:
         return await self.placement.end_session(session_id)
 
