@@ -4,17 +4,18 @@
 #   ./scripts/test.sh           set up everything the tests need (scripts/setup.sh --test), then
 #                               ruff, mypy, the whole suite and scripts/compose-check.sh (the
 #                               images and docker-compose.yml's cpu and replicas profiles). CI runs
-#                               exactly this. The suite runs on 2 pytest-xdist workers: the tests
-#                               that start real vLLM engines or share the mooncake_master all on
-#                               one worker, in order (one set of engines at a time), every other
-#                               test module on either worker.
+#                               exactly this. The suite runs as two pytest processes side by side,
+#                               one per core: the tests that start real vLLM engines or share the
+#                               mooncake_master (markers engine, store), in order, one set of
+#                               engines at a time; and every other test.
 #   ./scripts/test.sh --fast    on an already set-up checkout: ruff, mypy and every test that
-#                               needs no engine, Redis, Mooncake or Docker, on 2 workers; no setup,
-#                               no compose-check.
+#                               needs no engine, Redis, Mooncake or Docker, on 2 pytest-xdist
+#                               workers; no setup, no compose-check.
 #   ./scripts/test.sh ARGS...   set up, ruff, mypy, then pytest with ARGS (e.g. a file, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKERS=${AGENTGW_TEST_WORKERS:-2}
+PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider)
 lint() {
   .venv/bin/ruff check gateway engine_ext kernels benchmarks tests testing deploy scripts
   .venv/bin/mypy
@@ -22,14 +23,30 @@ lint() {
 if [ "${1:-}" = "--fast" ]; then
   shift
   lint
-  exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup \
-    -m "not engine and not store and not redis and not docker" "$@"
+  exec "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store and not redis and not docker" "$@"
 fi
 ./scripts/setup.sh --test
 lint
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  exec "${PYTEST[@]}" "$@"
 fi
-# the whole suite, as CI runs it: then docker-compose.yml, built and run for real
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup --durations=25
+# the whole suite, as CI runs it: two lanes side by side, then docker-compose.yml built and run
+logs=$(mktemp -d)
+"${PYTEST[@]}" -m "engine or store" --durations=15 >"$logs/engines.log" 2>&1 &
+engines=$!
+"${PYTEST[@]}" -m "not engine and not store" --durations=10 >"$logs/rest.log" 2>&1 &
+rest=$!
+t0=$SECONDS
+while kill -0 "$engines" 2>/dev/null || kill -0 "$rest" 2>/dev/null; do
+  sleep 60
+  echo "test.sh: $(( (SECONDS - t0) / 60 )) min; engines lane: $(tail -c 120 "$logs/engines.log" | tr '\n' ' ' | tail -c 60); other lane: $(tail -c 120 "$logs/rest.log" | tr '\n' ' ' | tail -c 60)"
+done
+rc_rest=0 rc_engines=0
+wait "$rest" || rc_rest=$?
+wait "$engines" || rc_engines=$?
+echo "== tests that need no engine or Mooncake (exit $rc_rest) =="
+cat "$logs/rest.log"
+echo "== engine and Mooncake tests (exit $rc_engines) =="
+cat "$logs/engines.log"
+if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ]; then exit 1; fi
 ./scripts/compose-check.sh

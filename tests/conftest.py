@@ -94,22 +94,14 @@ through another fixture) gets: ``-m "not engine and not store and not redis and 
 selects the tests that need none of them (scripts/test.sh --fast)."""
 
 
-SERIAL_MARKS = ("engine", "store")
-"""Tests that start vLLM engines or share the session's mooncake_master: under pytest-xdist
-(``--dist loadgroup``) they all go to one worker, in order, so that one set of engines runs at a
-time; every other test module is a group of its own (its module fixtures start once)."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        used = set(getattr(item, "fixturenames", ()))
-        for fixture, mark in HEAVY_FIXTURES.items():
-            if fixture in used and item.get_closest_marker(mark) is None:
-                item.add_marker(getattr(pytest.mark, mark))
-        if item.get_closest_marker("xdist_group") is None:
-            serial = any(item.get_closest_marker(m) is not None for m in SERIAL_MARKS)
-            item.add_marker(pytest.mark.xdist_group("engines" if serial else item.nodeid.split("::", 1)[0]))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test's markers from the fixtures it uses, as it is collected (so ``-m`` selects by
+    them): scripts/test.sh runs the engine and Mooncake tests in one process, one set of
+    engines at a time, and every other test beside them."""
+    used = set(getattr(item, "fixturenames", ()))
+    for fixture, mark in HEAVY_FIXTURES.items():
+        if fixture in used and item.get_closest_marker(mark) is None:
+            item.add_marker(getattr(pytest.mark, mark))
 
 
 def engine_specs(
