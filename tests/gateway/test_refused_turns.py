@@ -102,32 +102,36 @@ def release(gw: ServedGateway, engine_url: str, s: socket.socket) -> None:
     wait_until(lambda: gw.service.admission.inflight == 0, "the stream ended")
 
 
+def post_turn(gw: ServedGateway, key: str, session: str, text: str) -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json=turn(session, text),
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def first_turn(gw: ServedGateway, key: str, tenant: str, session: str, text: str) -> dict[str, Any]:
+    """An admitted turn, settled: the session's state after it."""
+    r = post_turn(gw, key, session, text)
+    assert r.status_code == 200, r.text
+    wait_until(lambda: state(gw, tenant, session)["record"] is not None, "the first turn settled")
+    return state(gw, tenant, session)
+
+
 @pytest.mark.parametrize("where", ["gateway_slot", "engine_slot"])
 def test_a_turn_refused_after_its_analysis_changes_nothing(
     gw: ServedGateway, engine_url: str, where: str
 ) -> None:
     session = f"refused-{where}"
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        json=turn(session, "the first turn " * 40),
-        headers={"authorization": f"Bearer {KEY}"},
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    wait_until(lambda: state(gw, "a", session)["record"] is not None, "the first turn settled")
-    before = state(gw, "a", session)
+    before = first_turn(gw, KEY, "a", session, "the first turn " * 40)
     assert before["tokens"], "the admitted turn's tokens are kept (the engine declares a control API)"
     if where == "engine_slot":  # the gateway has room, the engine has not
         gw.service.admission.config = gw.service.admission.config.model_copy(update={"max_inflight": 8})
         gw.service.admission.global_slots.limit = 8
     hold = held_stream(gw, KEY, f"holder-{where}")
     try:
-        r = httpx.post(
-            gw.url + "/v1/chat/completions",
-            json=turn(session, "a different second turn " * 60),
-            headers={"authorization": f"Bearer {KEY}"},
-            timeout=30,
-        )
+        r = post_turn(gw, KEY, session, "a different second turn " * 60)
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == ("gateway_busy" if where == "gateway_slot" else "engine_busy")
         after = state(gw, "a", session)
@@ -135,27 +139,14 @@ def test_a_turn_refused_after_its_analysis_changes_nothing(
         release(gw, engine_url, hold)
     assert after == before  # tokens included: the refused prompt is not the session's
     # the next admitted turn is kept
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        json=turn(session, "the third turn " * 50),
-        headers={"authorization": f"Bearer {KEY}"},
-        timeout=30,
-    )
+    r = post_turn(gw, KEY, session, "the third turn " * 50)
     assert r.status_code == 200, r.text
     wait_until(lambda: state(gw, "a", session)["tokens"] != before["tokens"], "the third turn's tokens kept")
 
 
 def test_a_turn_refused_by_its_tenants_limit_changes_nothing(gw: ServedGateway) -> None:
     session = "refused-tenant"
-    r = httpx.post(
-        gw.url + "/v1/chat/completions",
-        json=turn(session, "first " * 80),
-        headers={"authorization": f"Bearer {ONE}"},
-        timeout=30,
-    )
-    assert r.status_code == 200, r.text
-    wait_until(lambda: state(gw, "one", session)["record"] is not None, "the first turn settled")
-    before = state(gw, "one", session)
+    before = first_turn(gw, ONE, "one", session, "first " * 80)
     body = orjson.dumps(turn(session, "a second turn " * 40))
     hog = opened(gw, head("/v1/chat/completions", ONE, len(body)) + body[:5])  # holds the tenant's slot
     try:
