@@ -9,8 +9,8 @@
 3. ``move`` (``first_turn_to_warm``): the turn ran in a ``first_turn`` pool and a warm engine
    exists -> prefetch onto the best warm engine during the tool gap; the next turn goes there.
    Attempted even when the copy may not finish within the gap: the next turn never waits for it,
-   and what was copied is not lost (measured in the simulator, 8x64x10 Weka, 2+6 pools: p90 TTFT
-   393 ms attempting every move vs 671 ms moving only when the copy fits the gap).
+   and what was copied is not lost (attempting every move beat moving only when the copy fits, in
+   the simulator: docs/lab/benchmarks_sim.md).
 
 Targets are warm or ``any`` engines, healthy, queue <= ``max_target_queue``, with room for the
 prefix (``unpinned_usage + blocks / capacity_blocks <= 1`` when the capacity is known), ranked by the

@@ -62,7 +62,7 @@ DEFAULT_WEIGHTS: dict[str, float] = {
 """Scorer weights of the ``agentic`` profile; a weight left out of ``RoutingParams.weights``
 takes its default from here. ``interference`` and ``home_load`` are opt-in (0): ``home_load``
 also sends subagents and new sessions away from a cached parent prefix, which a small fleet then
-recomputes (docs/benchmarks_sim.md has both measured)."""
+recomputes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +137,7 @@ def with_planner(p: RoutingParams) -> RoutingParams:
     (``knee_ahead``): the arrival-time ``kv_balance`` and ``kv_overflow`` moves priced against
     their reload (``PLANNED_KNEE_OUTPUT_TOKENS``, ``PLANNED_OVERFLOW_WAIT_TOKENS``), where
     ``p`` leaves them unpriced (0). The turns still past the knee at arrival are then the ones
-    the planner could not move, and reloading them while the user waits set the TTFT tail:
-    on AgentX-shaped plays, 8 workers, 8 lanes, the unpriced moves more than doubled p99 TTFT
+    the planner could not move, and reloading them while the user waits sets the TTFT tail
     (docs/benchmarks_sim.md, "AgentX-shaped plays: moving KV during the tool gap")."""
     return replace(
         p,

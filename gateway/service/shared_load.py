@@ -3,9 +3,8 @@
 Each replica's :class:`gateway.core.load.InflightLoad` counts only the requests it sent; the
 engines' gauges (running, waiting, KV use) cover everyone's but are scraped every
 ``timeouts.metrics_interval_s``. Between two scrapes replicas do not see what the others just
-sent, and in the fleet simulation (gateway/sim/fleet.py) 4 to 16 replicas piled sessions onto
-the same engines: up to 8 points of prefix reuse and seconds of p90 TTFT lost, none when every
-replica saw every ledger.
+sent, and so pile sessions onto the same engines (the fleet simulation, gateway/sim/fleet.py,
+measures what that costs: docs/benchmarks_sim.md, "The fleet").
 
 Every ``sessions.share_load_s`` a replica writes its ledger, per engine
 ``prefilling,backlog_tokens,decoding,tokens``, into the hash ``<prefix>load:<replica id>`` (which

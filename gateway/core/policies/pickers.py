@@ -33,12 +33,10 @@
   lacks at ``move_bytes_per_s``, or recomputed): a long context moved at arrival is reloaded
   while the user waits, and the planner's ``knee_ahead`` moves it during the tool gap instead. A cold home is re-scored without its
   ``session_affinity`` bonus (``affinity_weight``, the profile's weight): otherwise a home that
-  holds nothing of the prompt outscores an engine that holds most of it, as a live client
-  showed (score 4.5 with 0 cached tokens over 4.0 with 83% cached). The same two checks apply to a
+  holds nothing of the prompt outscores an engine that holds most of it. The same two checks apply to a
   request without a home: when the best-scored engine cannot hold it, the cheapest that can
-  wins (``kv_overflow``: without it a 373K-token turn of an AgentX-shaped play was placed by
-  its prefix on an engine that could not hold it and preempted itself 7,223 times in the
-  simulator); when the best-scored engine is past the knee and another is not, the one with the
+  wins (``kv_overflow``: without it a long turn is placed by its prefix on an engine that
+  cannot hold it and preempts itself); when the best-scored engine is past the knee and another is not, the one with the
   most room below wins (``kv_balance``). Then, if the home's queue <= ``max_queue``,
   stay (reason ``sticky``). Otherwise estimate
   each candidate's time to first token as ``uncached_e * prefill_s_per_token + queue_e *
@@ -49,8 +47,9 @@
   session pulled to an engine by the prefix it holds (a shared system prompt and tools) goes to
   the engine with the lowest estimated time to first token (the estimate above, among engines
   where it stays under the knee) when that is lower (``new_session_load``, ``spread_new``):
-  the prefix saved is priced against the queue the pull has built (a live client's sessions
-  otherwise piled 69 of 90 requests onto the one engine of three that held the system prompt).
+  the prefix saved is priced against the queue the pull has built (otherwise sessions pile onto
+  the one engine that holds the shared system prompt). What each rule measured:
+  docs/lab/benchmarks_sim.md and docs/lab/benchmarks_live.md.
 - ``cache_aware(balance_abs, balance_rel, cache_threshold)``: SGLang router's policy. If the
   load is imbalanced (``q_max - q_min > balance_abs`` and ``q_max > balance_rel * q_min``) pick the
   shortest queue (``load``); else if the best prefix match covers more than ``cache_threshold`` of
