@@ -137,7 +137,9 @@ def test_small_hostile_run_keeps_the_gateway_answering_with_bounded_memory(tmp_p
     argv += ["--idle", "100", "--slowloris", "20", "--oversize", "10"]
     argv += ["--half-bodies", "8", "--body-mib", "2", "--body-budget-mib", "6", "--announced", "16"]
     argv += ["--max-connections", "128", "--flood-extra", "20", "--probe-reserve", "4"]
-    argv += ["--header-timeout", "3", "--body-timeout", "3", "--keep-alive", "3", "--quiet-s", "2"]
+    # the server's timeouts well past a scheduling stall: with the engine tests beside it on a
+    # 2-core machine, a 3 s header timeout fired before the gateway read requests already sent
+    argv += ["--header-timeout", "8", "--body-timeout", "8", "--keep-alive", "8", "--quiet-s", "2"]
     r = subprocess.run(
         argv,
         cwd=ROOT,
