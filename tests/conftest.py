@@ -24,7 +24,7 @@ import uvicorn
 from gateway.api.app import create_app
 from gateway.api.server import uvicorn_config
 from gateway.config import load_config
-from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
+from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
@@ -121,6 +121,25 @@ def engine_specs(
         )
         for i, n in enumerate(names)
     ]
+
+
+@contextlib.contextmanager
+def three_engines(tiny_llama: Path, logs: Path) -> Iterator[dict[str, LocalEngine]]:
+    """Three real engines, ``first0`` (first-turn) and ``warm0``/``warm1``, priority scheduling on,
+    the embedded default's 32K context; stopped on exit."""
+    specs = engine_specs(
+        tiny_llama,
+        ["first0", "warm0", "warm1"],
+        logs,
+        max_model_len=32768,
+        extra_args=("--scheduling-policy", "priority"),
+    )
+    engines = start_engines(specs, timeout_s=300)
+    try:
+        yield {e.spec.name: e for e in engines}
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def cluster_config(cluster: dict[str, LocalEngine], tiny_llama: Path, **overrides: Any) -> dict[str, Any]:

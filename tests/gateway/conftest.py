@@ -8,27 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from gateway.local.engines import LocalEngine, start_engines
-from tests.conftest import ServedGateway, cluster_config, engine_specs, wait_ready
+from gateway.local.engines import LocalEngine
+from tests.conftest import ServedGateway, cluster_config, three_engines, wait_ready
 
 
 @pytest.fixture(scope="package")
 def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
     """Three real engines: one first-turn, two warm (priority scheduling on), with the embedded
     default's 32K context (coding-agent prompts are 15-19K tokens with the tiny tokenizer)."""
-    specs = engine_specs(
-        tiny_llama,
-        ["first0", "warm0", "warm1"],
-        workdir,
-        max_model_len=32768,
-        extra_args=("--scheduling-policy", "priority"),
-    )
-    engines = start_engines(specs, timeout_s=300)
-    try:
-        yield {e.spec.name: e for e in engines}
-    finally:
-        for e in engines:
-            e.stop()
+    with three_engines(tiny_llama, workdir) as engines:
+        yield engines
 
 
 @pytest.fixture(scope="package")

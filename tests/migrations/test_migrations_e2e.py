@@ -152,31 +152,10 @@ def test_session_end_cancels_migrations_and_releases_pins(
     assert 'agentgw_migrations_total{kind="release",outcome="completed"}' in text
 
 
-def test_killing_the_target_mid_migration_leaves_the_session_served(
-    kv_gateway: ServedGateway, kv_cluster: dict
-) -> None:
-    m = msgs("kill", 600)  # a long first turn: the move takes a while
-    r1 = post(kv_gateway, m, {"session_id": "kill-1", "expected_tool_latency_ms": 30000})
-    assert r1.headers["x-agentgw-pool"] == "first_turn"
-    mig = httpx.get(f"{kv_gateway.url}/v1/agent/sessions/kill-1").json()["migration"]
-    assert mig["kind"] == "move"
-    victim = kv_cluster[mig["targets"][0]][0]
-    shm = Path(f"/dev/shm/vllm_offload_{victim.engine_id}.mmap")
-    assert victim.engine_id is not None and shm.exists()  # its CPU tier's region
-    victim.kill()
-    assert not shm.exists()  # removed with the killed engine, not left in RAM
-    state = wait_migration(kv_gateway, "kill-1")
-    m2 = m + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "continue"}]
-    r2 = post(kv_gateway, m2, {"session_id": "kill-1"})
-    assert r2.headers["x-agentgw-engine"] != victim.spec.name
-    assert r2.json()["choices"][0]["message"]["content"] is not None
-    assert state["migration"]["state"] in ("failed", "done")
-
-
 def test_a_turn_refused_at_admission_leaves_the_session_its_tokens_and_its_pins(
     kv_gateway: ServedGateway, kv_cluster: dict
 ) -> None:
-    """Engines with engine_ext: a turn the gateway refuses after analysing it (its slots full)
+    """(Before the test that kills an engine.) Engines with engine_ext: a turn the gateway refuses after analysing it (its slots full)
     leaves the session's record, the prompt tokens kept for its prefetch, its planned move and
     the pins on every engine exactly as they were (analysis only reads)."""
     svc = kv_gateway.service
@@ -238,3 +217,24 @@ def without_ttl_left(doc: Any) -> Any:
     if isinstance(doc, list):
         return [without_ttl_left(v) for v in doc]
     return doc
+
+
+def test_killing_the_target_mid_migration_leaves_the_session_served(
+    kv_gateway: ServedGateway, kv_cluster: dict
+) -> None:
+    m = msgs("kill", 600)  # a long first turn: the move takes a while
+    r1 = post(kv_gateway, m, {"session_id": "kill-1", "expected_tool_latency_ms": 30000})
+    assert r1.headers["x-agentgw-pool"] == "first_turn"
+    mig = httpx.get(f"{kv_gateway.url}/v1/agent/sessions/kill-1").json()["migration"]
+    assert mig["kind"] == "move"
+    victim = kv_cluster[mig["targets"][0]][0]
+    shm = Path(f"/dev/shm/vllm_offload_{victim.engine_id}.mmap")
+    assert victim.engine_id is not None and shm.exists()  # its CPU tier's region
+    victim.kill()
+    assert not shm.exists()  # removed with the killed engine, not left in RAM
+    state = wait_migration(kv_gateway, "kill-1")
+    m2 = m + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "continue"}]
+    r2 = post(kv_gateway, m2, {"session_id": "kill-1"})
+    assert r2.headers["x-agentgw-engine"] != victim.spec.name
+    assert r2.json()["choices"][0]["message"]["content"] is not None
+    assert state["migration"]["state"] in ("failed", "done")
