@@ -7,7 +7,8 @@
 #                               exactly this. The suite runs as two pytest processes side by side,
 #                               one per core: the tests that start real vLLM engines or share the
 #                               mooncake_master (markers engine, store), in order, one set of
-#                               engines at a time; and every other test.
+#                               engines at a time; and every other test. Then the tests marked
+#                               quiet (liveness against timeouts of seconds) run alone.
 #   ./scripts/test.sh --fast    on an already set-up checkout: ruff, mypy and every test that
 #                               needs no engine, Redis, Mooncake or Docker, on 2 pytest-xdist
 #                               workers; no setup, no compose-check.
@@ -32,9 +33,9 @@ if [ $# -gt 0 ]; then
 fi
 # the whole suite, as CI runs it: two lanes side by side, then docker-compose.yml built and run
 logs=$(mktemp -d)
-"${PYTEST[@]}" -m "engine or store" --durations=15 >"$logs/engines.log" 2>&1 &
+"${PYTEST[@]}" -m "(engine or store) and not quiet" --durations=15 >"$logs/engines.log" 2>&1 &
 engines=$!
-"${PYTEST[@]}" -m "not engine and not store" --durations=10 >"$logs/rest.log" 2>&1 &
+"${PYTEST[@]}" -m "not engine and not store and not quiet" --durations=10 >"$logs/rest.log" 2>&1 &
 rest=$!
 t0=$SECONDS
 while kill -0 "$engines" 2>/dev/null || kill -0 "$rest" 2>/dev/null; do
@@ -48,5 +49,18 @@ echo "== tests that need no engine or Mooncake (exit $rc_rest) =="
 cat "$logs/rest.log"
 echo "== engine and Mooncake tests (exit $rc_engines) =="
 cat "$logs/engines.log"
-if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ]; then exit 1; fi
+echo "== tests that need the machine to themselves (quiet) =="
+rc_quiet=0
+"${PYTEST[@]}" -m quiet 2>&1 | tee "$logs/quiet.log" || rc_quiet=$?
+# the three runs' counts in one closing line
+.venv/bin/python - "$logs"/rest.log "$logs"/engines.log "$logs"/quiet.log <<'PY'
+import re, sys
+total = {"passed": 0, "failed": 0, "errors": 0}
+for path in sys.argv[1:]:
+    lines = [l for l in open(path, errors="replace") if re.search(r"\d+ (passed|failed)", l)]
+    for n, what in re.findall(r"(\d+) (passed|failed|errors?)\b", lines[-1] if lines else ""):
+        total["errors" if what.startswith("error") else what] += int(n)
+print(f"suite: {total['passed']} passed, {total['failed'] + total['errors']} failed")
+PY
+if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ] || [ "$rc_quiet" != 0 ]; then exit 1; fi
 ./scripts/compose-check.sh
