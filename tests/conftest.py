@@ -260,7 +260,7 @@ def fake_engine(*args: str) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(url + "/health", 10, proc)
+        wait_http_ok(url + "/health", 60, proc)  # a bound on a loaded machine
         yield url
     finally:
         proc.terminate()

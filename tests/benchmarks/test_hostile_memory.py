@@ -131,7 +131,6 @@ def test_body_budget_bounds_half_sent_bodies_and_is_given_back(gw: ServedGateway
     assert gw.app.state.bodies.peak <= BUDGET
 
 
-@pytest.mark.quiet  # beside the engine tests, the gateway's loop stalled past its probes' timeouts
 def test_small_hostile_run_keeps_the_gateway_answering_with_bounded_memory(tmp_path: Path) -> None:
     out = tmp_path / "hostile.json"
     argv = [sys.executable, "-m", "benchmarks.hostile", "--json", str(out)]
