@@ -7,8 +7,8 @@
 #                               exactly this. The suite runs in two phases: every test that needs
 #                               no engine or Mooncake on 2 pytest-xdist workers, then the tests
 #                               that start real vLLM engines or share the mooncake_master
-#                               (markers engine, store) in one process, one set of engines at a
-#                               time.
+#                               (markers engine, store) and those xdist cannot run (serial) in
+#                               one process, one set of engines at a time.
 #   ./scripts/test.sh --fast    on an already set-up checkout: ruff, mypy and every test that
 #                               needs no engine, Redis, Mooncake or Docker, on 2 pytest-xdist
 #                               workers; no setup, no compose-check.
@@ -24,7 +24,11 @@ lint() {
 if [ "${1:-}" = "--fast" ]; then
   shift
   lint
-  exec "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store and not redis and not docker" "$@"
+  FAST="not engine and not store and not redis and not docker"
+  rc=0
+  "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "$FAST and not serial" "$@" || rc=$?
+  "${PYTEST[@]}" -m "$FAST and serial" "$@" || rc=$?
+  exit "$rc"
 fi
 ./scripts/setup.sh --test
 lint
@@ -37,8 +41,8 @@ fi
 # test were starved for seconds (probes with timeouts of seconds failed).
 logs=$(mktemp -d)
 rc_rest=0 rc_engines=0
-"${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store" --durations=10 2>&1 | tee "$logs/rest.log" || rc_rest=$?
-"${PYTEST[@]}" -m "engine or store" --durations=15 2>&1 | tee "$logs/engines.log" || rc_engines=$?
+"${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store and not serial" --durations=10 2>&1 | tee "$logs/rest.log" || rc_rest=$?
+"${PYTEST[@]}" -m "engine or store or serial" --durations=15 2>&1 | tee "$logs/engines.log" || rc_engines=$?
 # the two runs' counts in one closing line
 .venv/bin/python - "$logs"/rest.log "$logs"/engines.log <<'PY'
 import re, sys

@@ -60,6 +60,7 @@ def documented(case: object, status: int) -> bool:
     return str(status) in responses
 
 
+@pytest.mark.serial  # one item per operation, all with this node id: xdist would run one of them
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES,
