@@ -421,19 +421,26 @@ class FakeEngineProtocol(asyncio.Protocol):
 
     # responses
 
-    def _generate(self, body: bytes, chat: bool) -> None:
-        state = self.state
+    def _request(self, body: bytes) -> dict[str, object] | None:
+        """The request's JSON object for the served model, or None after answering 400 / 404."""
         try:
             req = orjson.loads(body)
             if not isinstance(req, dict):
                 raise ValueError("the body must be a JSON object")
         except (orjson.JSONDecodeError, ValueError) as exc:
             self._reply(400, _error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
-            return
+            return None
         model = req.get("model")
-        if model is not None and model != state.model:
+        if model is not None and model != self.state.model:
             msg = f"The model `{model}` does not exist."
             self._reply(404, _error_body(404, msg, "NotFoundError", "model"))
+            return None
+        return req
+
+    def _generate(self, body: bytes, chat: bool) -> None:
+        state = self.state
+        req = self._request(body)
+        if req is None:
             return
         n = state.tokens
         max_tokens = req.get("max_tokens") or req.get("max_completion_tokens")
@@ -470,17 +477,8 @@ class FakeEngineProtocol(asyncio.Protocol):
     def _generate_typed(self, body: bytes, route: str) -> None:
         """``/v1/messages`` or ``/v1/responses``: their own events and bodies (not a hot path)."""
         state = self.state
-        try:
-            req = orjson.loads(body)
-            if not isinstance(req, dict):
-                raise ValueError("the body must be a JSON object")
-        except (orjson.JSONDecodeError, ValueError) as exc:
-            self._reply(400, _error_body(400, f"invalid JSON body: {exc}", "BadRequestError"))
-            return
-        model = req.get("model")
-        if model is not None and model != state.model:
-            msg = f"The model `{model}` does not exist."
-            self._reply(404, _error_body(404, msg, "NotFoundError", "model"))
+        req = self._request(body)
+        if req is None:
             return
         n = state.tokens
         cap = req.get("max_tokens" if route == "/v1/messages" else "max_output_tokens")

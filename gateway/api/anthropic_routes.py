@@ -17,7 +17,7 @@ from gateway.api.errors import (
     reshape_upstream_error,
     to_api_error,
 )
-from gateway.api.relay import Wire
+from gateway.api.relay import Wire, declared_length
 from gateway.wire import _check
 from gateway.wire.anthropic import parse_messages
 from gateway.wire.openai import ParsedRequest
@@ -64,15 +64,10 @@ async def count_tokens(request: Request) -> Response:
     """Counted against the tenant's concurrency and request rate before the body is read, then
     admitted through the gateway's and the engine's slots, as a turn is."""
     svc = request.app.state.service
+    entered = None
     try:
         tenant = tenant_of(request)
-        declared = request.headers.get("content-length")
-        entered = svc.enter(tenant, int(declared) if declared and declared.isdigit() else None)
-    except ApiError as err:
-        return _error(err)
-    except SERVICE_ERRORS as exc:
-        return _error(to_api_error(exc))
-    try:
+        entered = svc.enter(tenant, declared_length(request.headers.raw))
         raw = await read_body(request, svc.config.limits.max_body_bytes)
         parsed = parse(raw, count_tokens=True)
         path = "/v1/messages/count_tokens"
@@ -82,7 +77,8 @@ async def count_tokens(request: Request) -> Response:
     except SERVICE_ERRORS as exc:
         return _error(to_api_error(exc))
     finally:
-        entered.leave()
+        if entered is not None:
+            entered.leave()
     return Response(body, status_code=status, media_type="application/json")
 
 

@@ -260,6 +260,11 @@ class Admission:
         ts.inflight += 1
         return TenantPass(tenant, ts, tokens)
 
+    def enter_body(self, tenant: Tenant, declared_bytes: int | None) -> TenantPass:
+        """:meth:`enter` with the tokens estimated from the body's declared length (4 bytes a
+        token; none when no length is declared), settled once the body is analysed."""
+        return self.enter(tenant, (declared_bytes or 0) // 4)
+
     def settle(self, entered: TenantPass, tokens: int) -> None:
         """The request's tokens are known (analysed): debit the difference from the estimate
         (a refund when it was lower; never a rejection now)."""

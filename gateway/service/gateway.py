@@ -212,7 +212,7 @@ class GatewayService:
         """Count a request that is not a session turn against its tenant's concurrency and
         request rate before its body is read, as a turn is (raises Refused, a 429; the pass is
         held until :meth:`TenantPass.leave`)."""
-        return self.admission.enter(tenant, (declared_bytes or 0) // 4)
+        return self.admission.enter_body(tenant, declared_bytes)
 
     async def forward_once(
         self,

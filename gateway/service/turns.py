@@ -250,7 +250,7 @@ class Turns:
         t0 = time.perf_counter()
         try:
             # a refused request costs its headers, not a read, a parse and an analysis
-            entered = self.admission.enter(tenant, (edge.declared or 0) // 4)
+            entered = self.admission.enter_body(tenant, edge.declared)
         except REFUSALS as exc:
             await self._refuse(route, _Turn(tenant, b"", t0), edge, exc, [])
             return
