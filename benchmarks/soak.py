@@ -153,6 +153,15 @@ class Tally:
     reasons: Counter[str] = field(default_factory=Counter)
     idle: dict[str, float] = field(default_factory=dict)
     """Sessions left idle (id -> monotonic time of their last request's end)."""
+    lost_home: int = 0
+    """Later turns of a session routed as a new session's first (the gateway no longer knew it)."""
+    events: list[tuple[float, str]] = field(default_factory=list)
+    """(monotonic time, kind) of every request that did not end ok: ``cut_silently``,
+    ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (a chaos run charges
+    each to the fault whose window it fell in)."""
+
+    def event(self, kind: str) -> None:
+        self.events.append((time.monotonic(), kind))
 
     def note(self, reason: str) -> None:
         if len(self.reasons) < 64 or reason in self.reasons:
@@ -172,8 +181,11 @@ class Plan:
     seed: int
 
 
-async def turn(c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs: list[Any]) -> str:
-    """One streamed turn; returns the assistant's text ("" unless ok)."""
+async def turn(
+    c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs: list[Any], later: bool = False
+) -> str:
+    """One streamed turn; returns the assistant's text ("" unless ok). ``later``: not the
+    session's first turn (one routed as a new session's first counts in ``lost_home``)."""
     gap_ms = int(p.gap_s[1] * 1000)
     headers = {
         "x-agent-session-id": sid,
@@ -194,13 +206,18 @@ async def turn(c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs:
                 code = _code(await r.read())
                 if r.status >= 500:
                     t.failed_before_start += 1
+                    t.event("failed_before_start")
                 else:
                     t.refused_4xx += 1
+                    t.event("refused")
                 t.note(f"{r.status} {code}")
                 return ""
             started = True
             if r.headers.get("x-agentgw-reason") == "retry":
                 t.retried += 1
+            if later and r.headers.get("x-agentgw-reason") == "new_session":
+                t.lost_home += 1
+                t.event("lost_home")
             async for raw in r.content:
                 line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
@@ -222,13 +239,16 @@ async def turn(c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs:
     except (aiohttp.ClientError, TimeoutError) as exc:
         if not started:
             t.failed_before_start += 1
+            t.event("failed_before_start")
             t.note(f"connect: {type(exc).__name__}")
             return ""
         t.cut_silently += 1
+        t.event("cut_silently")
         t.note(f"cut: {type(exc).__name__}")
         return ""
     if error and done:
         t.cut_with_error += 1
+        t.event("cut_with_error")
     elif done and finished:
         t.ok += 1
         t.e2e_s.append(time.monotonic() - t0)
@@ -237,6 +257,7 @@ async def turn(c: Client, p: Plan, t: Tally, sid: str, parent: str | None, msgs:
         return "".join(text)
     else:
         t.cut_silently += 1
+        t.event("cut_silently")
         t.note("stream ended without [DONE]" if not done else "no finish reason")
     return ""
 
@@ -292,7 +313,7 @@ async def agent(c: Client, p: Plan, t: Tally, rng: random.Random, end: float, sl
         for k in range(p.turns):
             if time.monotonic() >= end:
                 break
-            reply = await turn(c, p, t, sid, None, msgs)
+            reply = await turn(c, p, t, sid, None, msgs, later=k > 0)
             msgs.append({"role": "assistant", "content": reply or "(cut)"})
             msgs.append({"role": "user", "content": f"tool result {k}: " + "ok " * rng.randint(5, 40)})
             if rng.random() < p.fan_out_p:
@@ -314,10 +335,10 @@ async def subagent(
     c: Client, p: Plan, t: Tally, rng: random.Random, sid: str, parent: str, end: float
 ) -> None:
     msgs: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"subtask {sid}"}]
-    for _ in range(rng.randint(1, 2)):
+    for k in range(rng.randint(1, 2)):
         if time.monotonic() >= end:
             break
-        reply = await turn(c, p, t, sid, parent, msgs)
+        reply = await turn(c, p, t, sid, parent, msgs, later=k > 0)
         msgs += [{"role": "assistant", "content": reply or "(cut)"}, {"role": "user", "content": "go on"}]
     t.idle[sid] = time.monotonic()
 

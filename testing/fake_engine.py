@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -77,6 +78,9 @@ class EngineState:
         self.itl_s = itl_s
         self.created = int(time.time())
         self.num_requests = 0
+        self.instance = os.urandom(3).hex().encode()
+        """Leads every id, so ids differ between stand-ins and across a restart (as vLLM's random
+        ones do: the gateway keys a stored response's owner by its id)."""
         self.num_running = 0
         self.num_unknown_paths = 0
         self.num_count_tokens = 0
@@ -107,7 +111,7 @@ class EngineState:
 
     def next_id(self) -> bytes:
         self.num_requests += 1
-        return b"%016x" % self.num_requests
+        return b"%s%010x" % (self.instance, self.num_requests)
 
     def stream_events(self, chat: bool, n: int) -> list[bytes]:
         """The ``n`` token events of a stream, SSE-framed, with ``_ID_SLOT`` where the id goes."""

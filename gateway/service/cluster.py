@@ -48,6 +48,7 @@ import httpx
 from gateway.config import EngineConfig, GatewayConfig, PoolConfig
 from gateway.core.load import EngineCounts, InflightLoad, Ticket, merge
 from gateway.core.types import EngineView, PoolRole
+from gateway.errors import Refused
 from gateway.service.loop_lag import LoopLag
 
 log = logging.getLogger("agentgw.cluster")
@@ -260,6 +261,19 @@ class Cluster:
         if s is None or s.removed:
             return False
         return s.healthy or (s.seen and not s.refused and self.panicking()[s.pool])
+
+    def owner_unavailable(self, name: str, field: str) -> None:
+        """``name`` holds state a request continues (a stored response, named by the request's
+        ``field``) and is not healthy: raise Refused (a 503 ``owner_unavailable`` to retry) when it may still hold it: it is failing probes
+        (paused, overloaded) or has not answered since the gateway started. Return when it is
+        known gone (refusing connections: the process is down, and vLLM kept the state in its
+        memory; or removed): the caller answers that the state is not found."""
+        s = self.engines.get(name)
+        if s is None or s.removed or s.healthy or s.refused:
+            return
+        why = "starting" if not s.seen else "failing probes"
+        message = f"the engine that holds it, '{name}', is not answering now ({why}); retry"
+        raise Refused(message, "owner_unavailable", 2, field=field)
 
     def models(self) -> list[str]:
         return sorted({m for v in self.views() if v.healthy for m in v.models})

@@ -116,7 +116,7 @@ class GatewayMetrics:
         )
         self.session_store_resyncs = Counter(
             "agentgw_session_store_resyncs",
-            "Times the local view was written back to Redis after an outage",
+            "Times the local view was written back to Redis after an outage or after Redis lost its data",
             registry=r,
         )
         self.session_evictions = Counter(

@@ -128,7 +128,9 @@ class Placement:
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:
             d = self.core.owner(a.arrival, a.owner)
-            if d is None:  # its engine is gone, and the history with it
+            if d is None:
+                self.cluster.owner_unavailable(a.owner, "previous_response_id")  # not answering now: a 503 to retry
+                # its engine is gone (refusing connections, or removed), and the history with it
                 raise ResponseNotFound(a.owner_of or "", "previous_response_id")
             return d
         try:

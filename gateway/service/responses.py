@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from gateway.core.sessions import SessionRecord
+from gateway.errors import Refused
 from gateway.service.session_store import SessionStore
 
 __all__ = ["RESPONSE_ID", "ResponseOwners", "find_response_id", "is_owner_key", "owner_key"]
@@ -57,6 +58,16 @@ class ResponseOwners:
             SessionRecord(owner_key(response_id), home=engine, pool=pool, created=now, last_activity=now)
         )
 
-    async def owner(self, response_id: str) -> str | None:
+    async def owner(self, response_id: str, field: str = "previous_response_id") -> str | None:
+        """The engine that stored it; None when no replica recorded it. Raises Refused (a 503
+        ``session_store_unavailable`` to retry) when the store cannot tell: Redis is down and this replica's local view does
+        not have it (another replica may have recorded it; a chain must not end on that)."""
         rec = await self.store.get(owner_key(response_id), self.clock())
+        if rec is None and self.store.degraded:
+            raise Refused(
+                "the session store is unavailable, so the engine that holds this response is not known now; retry",
+                "session_store_unavailable",
+                1,
+                field=field,
+            )
         return rec.home if rec is not None else None

@@ -23,6 +23,16 @@ remembered (bounded), and Redis is tried again at most every ``retry_s``. When i
 remembered writes are pushed back (the newer ``last_activity`` wins against what another
 replica wrote meanwhile), deletions are replayed, and the store leaves degraded mode. Callers
 never see a Redis error; ``degraded`` and the metrics say what is happening.
+
+Redis data loss: a Redis that restarts without persistence comes back empty, and a replica may
+not have called it while it was down (so it never turned degraded). Each store therefore keeps an
+epoch marker in Redis (``<prefix>epoch``, set once by whichever replica writes it first) and reads
+it beside every record it misses. A missing or changed marker means Redis lost what it held: the
+store writes a new marker (or adopts the one another replica just wrote) and pushes every live
+record of its local view back (with what is left of its TTL; a newer record another replica wrote
+meanwhile wins), then reads again. So a session's next turn keeps the home a replica knew, and a
+Responses chain its owner. (A session another replica deleted before the loss may come back
+until its TTL: the store holds soft state.)
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -76,6 +87,11 @@ class SessionStore(Protocol):
         """Is the store degraded (serving from a local view)? May try to recover first."""
         ...
 
+    @property
+    def degraded(self) -> bool:
+        """Serving from a local view now: a miss is not an answer (another replica may hold it)."""
+        ...
+
 
 MAX_RECENT_LISTING = 1000
 """The most records one :meth:`SessionStore.recent` call returns (the dashboard's listing)."""
@@ -101,6 +117,10 @@ class MemorySessionStore:
     ) -> None:
         self.table = SessionTable(capacity, ttl_s, quotas)
         self.metrics = metrics
+
+    @property
+    def degraded(self) -> bool:
+        return False
 
     async def get(self, session_id: str, now: float) -> SessionRecord | None:
         return self.table.get(session_id, now)
@@ -182,6 +202,12 @@ class RedisSessionStore:
         self._retry_at = 0.0
         self._dirty: OrderedDict[str, SessionRecord | None] = OrderedDict()  # None: deleted
         self._recovering = asyncio.Lock()
+        self._epoch_key = f"{prefix}epoch"
+        self._epoch: bytes | str | None = None
+        """The epoch marker this store last saw in Redis (None: not read yet)."""
+        self._reseeding = asyncio.Lock()
+        self.reseeds = 0
+        """Times Redis was found to have lost its data and the local view was pushed back."""
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}s:{session_id}"
@@ -315,6 +341,9 @@ class RedisSessionStore:
         async with self._recovering:
             try:
                 await self.redis.ping()
+                epoch = await self.redis.get(self._epoch_key)
+                if epoch is None or epoch != self._epoch:
+                    await self._reseed()  # it came back empty: the whole local view, not only the writes
                 while self._dirty:
                     session_id, rec = next(iter(self._dirty.items()))
                     left_ms = (
@@ -347,18 +376,57 @@ class RedisSessionStore:
             await self.redis.zrem(ns, session_id)
 
     async def _get(self, session_id: str) -> SessionRecord | None:
-        raw = await self.redis.get(self._key(session_id))
+        raw, epoch = await self.redis.mget([self._key(session_id), self._epoch_key])
+        if raw is None and (epoch is None or epoch != self._epoch):
+            await self._reseed()
+            raw = await self.redis.get(self._key(session_id))
         if raw is None:
             return None
         return SessionRecord.from_dict(orjson.loads(raw))
 
-    async def _update(self, session_id: str, fn: Mutation, ttl_ms: int | None = None) -> SessionRecord | None:
+    async def _reseed(self) -> None:
+        """Redis holds no epoch marker, or another than this store last saw: it lost its data
+        (or this store is new). Adopt the marker (writing one if there is none) and push every
+        live record of the local view back, so that a miss of a record this replica knew is not
+        answered as a new session."""
+        async with self._reseeding:
+            current: bytes | str | None = await self.redis.get(self._epoch_key)
+            if current is not None and current == self._epoch:
+                return  # another task of this store did it meanwhile
+            if current is None:
+                await self.redis.set(self._epoch_key, secrets.token_hex(8), nx=True)
+                current = await self.redis.get(self._epoch_key)
+            now, ttl_s, pushed = self.clock(), self.ttl_ms / 1000, 0
+            for rec in list(self.local._records.values()):
+                left_ms = int((ttl_s - (now - rec.last_activity)) * 1000)
+                if left_ms > 0:
+                    await self._update(rec.session_id, _newer(rec), left_ms, check_epoch=False)
+                    pushed += 1
+            first = self._epoch is None
+            self._epoch = current
+            if not first:
+                self.reseeds += 1
+                log.warning("session store: Redis lost its data; %d live sessions pushed back", pushed)
+                if self.metrics is not None:
+                    self.metrics.session_store_resyncs.inc()
+
+    async def _update(
+        self, session_id: str, fn: Mutation, ttl_ms: int | None = None, *, check_epoch: bool = True
+    ) -> SessionRecord | None:
         key, lru, ns = self._key(session_id), f"{self.prefix}lru", self._ns_key(session_id)
         async with self.redis.pipeline(transaction=True) as p:
-            for _attempt in range(self.max_conflicts):
+            conflicts = 0
+            while True:
                 try:
                     await p.watch(key)
                     raw = await p.get(key)
+                    if raw is None and check_epoch:
+                        check_epoch = False  # once: a new session's first write reads the marker
+                        epoch = await p.get(self._epoch_key)
+                        if epoch is None or epoch != self._epoch:
+                            await p.unwatch()  # type: ignore[no-untyped-call]  # redis leaves it unannotated
+                            await self._reseed()
+                            continue
                     rec = fn(SessionRecord.from_dict(orjson.loads(raw)) if raw is not None else None)
                     if rec is None:
                         await p.unwatch()  # type: ignore[no-untyped-call]  # redis leaves it unannotated
@@ -373,12 +441,13 @@ class RedisSessionStore:
                     res = await p.execute()
                     break
                 except WatchError:
-                    continue
-            else:
-                log.warning("session store: update of a session conflicted %d times", self.max_conflicts)
-                raise SessionStoreBusy(
-                    "the session is being updated concurrently; retry", "session_busy", 1, field="session_id"
-                )
+                    conflicts += 1
+                    if conflicts < self.max_conflicts:
+                        continue
+                    log.warning("session store: update of a session conflicted %d times", self.max_conflicts)
+                    raise SessionStoreBusy(
+                        "the session is being updated concurrently; retry", "session_busy", 1, field="session_id"
+                    ) from None
         if ns is not None:
             limit = self.quotas.get(namespace_of(session_id, self.quotas))
             if limit is not None and int(res[-2]) > limit:

@@ -235,3 +235,49 @@ def test_gateway_keeps_routing_with_redis_stopped(rp: RedisProcess) -> None:
                 assert "agentgw_session_store_degraded 0.0" in c.get("/metrics").text
                 assert stored(rp, "s1") is not None and stored(rp, "s2") is None
                 assert chat("s1").status_code == 200
+
+
+async def test_redis_restarted_empty_gets_the_local_views_back(rp: RedisProcess) -> None:
+    """Redis restarts without persistence: each replica finds the epoch marker gone (on its next
+    miss, or when it recovers from the outage its first call ran into) and pushes its live records
+    back, so a session keeps the home a replica knew; a record deleted before stays deleted."""
+    clock, metrics = Clock(), GatewayMetrics()
+    a = RedisSessionStore(rp.url, 100, 3600, clock=clock, metrics=metrics, retry_s=1.0)
+    b = RedisSessionStore(rp.url, 100, 3600, clock=clock, retry_s=1.0)
+
+    async def settle(store: RedisSessionStore) -> None:
+        if store.degraded:  # its pooled connection died with the old Redis
+            clock.t += 1.0
+            assert not await store.probe()
+
+    try:
+        await a.put(rec("s1", 0.0, turns=3))
+        await b.put(rec("s2", 0.0, turns=5))
+        await a.put(rec("gone", 0.0))
+        assert (await a.delete("gone")) is not None
+        assert stored(rp, "s1") is not None
+        rp.stop()
+        rp.start()  # empty
+        assert stored(rp, "s1") is None
+        await b.get("s1", clock.t)  # b never held s1: a miss (or an outage), and the marker is gone
+        await settle(b)
+        assert b.reseeds == 1
+        assert stored(rp, "s2")["turns"] == 5  # type: ignore[index]  # b pushed its own view
+        got = await a.get("s1", clock.t)  # a finds b's new marker (or recovers): it pushes its view
+        await settle(a)
+        assert got is not None and got.turns == 3 and got.home == "e0"
+        assert a.reseeds == 1 and not a.degraded
+        assert stored(rp, "s1")["turns"] == 3  # type: ignore[index]
+        got = await b.get("s1", clock.t)
+        assert got is not None and got.home == "e0"  # now every replica reads it
+        assert stored(rp, "gone") is None
+        assert "agentgw_session_store_resyncs_total 1.0" in metrics.render().decode()
+        # a new session's first write after a loss pushes the view back too
+        rp.stop()
+        rp.start()
+        await a.put(rec("new", clock.t))
+        await settle(a)
+        assert a.reseeds == 2 and stored(rp, "s1") is not None and stored(rp, "new") is not None
+    finally:
+        await a.close()
+        await b.close()
