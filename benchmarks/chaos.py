@@ -147,9 +147,12 @@ def deploy(kind: str, work: Path, replicas: int) -> Deployment:
     engines: list[Engine] = []
     extra: list[Callable[[], None]] = []
     if kind == "real":
-        from gateway.local.embedded import start_local_stack
+        from gateway.local.embedded import DEFAULT_HOME, SERVED_NAMES, start_local_stack
 
-        stack = start_local_stack(store="mooncake", sessions="redis", home=work, timeout_s=900)
+        model_dir = DEFAULT_HOME / "models" / SERVED_NAMES["llama"]  # agentgw serve's, built once
+        stack = start_local_stack(
+            store="mooncake", sessions="redis", home=work, model_dir=model_dir, timeout_s=900
+        )
         assert stack.redis is not None and stack.mooncake is not None
         redis, mooncake = stack.redis, stack.mooncake
         engines = [Engine(e.spec.name, real=e) for e in stack.engines]

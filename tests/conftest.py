@@ -98,10 +98,55 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test's markers from the fixtures it uses, as it is collected (so ``-m`` selects by
     them): scripts/test.sh runs the engine and Mooncake tests in one process, one set of
     engines at a time, and every other test beside them."""
-    used = set(getattr(item, "fixturenames", ()))
     for fixture, mark in HEAVY_FIXTURES.items():
-        if fixture in used and item.get_closest_marker(mark) is None:
+        if _shared(item, fixture) and item.get_closest_marker(mark) is None:
             item.add_marker(getattr(pytest.mark, mark))
+
+
+def _shared(item: pytest.Item, name: str) -> bool:
+    """Does ``item`` use the fixture ``name`` of a conftest (not a test module's own fixture of
+    that name, nor a parametrize argument: tests/core's ``engines`` lists, test_cluster's
+    ``cluster``)?"""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get(name) if info is not None else None
+    if not defs:
+        return False
+    return str(getattr(defs[-1].func, "__module__", "")).rsplit(".", 1)[-1] == "conftest"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests on the shared three-engine :func:`cluster` run one after another, where the first
+    of them was (stable order otherwise), so its engines start once and stop after the last."""
+    users = [i for i in items if _shared(i, "cluster")]
+    if len(users) < 2:
+        return
+    first = items.index(users[0])
+    rest = [i for i in items if not _shared(i, "cluster")]
+    items[:] = rest[:first] + users + rest[first:]
+
+
+_CLUSTER: list[contextlib.ExitStack] = []
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
+    """Three real engines: one first-turn, two warm (priority scheduling on), with the embedded
+    default's 32K context (coding-agent prompts are 15-19K tokens with the tiny tokenizer),
+    shared by every test that asks for them (tests/gateway, the balancer test); stopped right
+    after the last of those tests (they run one after another), so later tests have the memory."""
+    with contextlib.ExitStack() as stack:
+        engines = stack.enter_context(three_engines(tiny_llama, workdir))
+        _CLUSTER.append(stack)
+        yield engines
+    _CLUSTER.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    result = yield
+    if _CLUSTER and _shared(item, "cluster") and (nextitem is None or not _shared(nextitem, "cluster")):
+        _CLUSTER.pop().close()  # the last test on the cluster: its engines stop now
+    return result
 
 
 def engine_specs(

@@ -33,7 +33,7 @@ from benchmarks.live_replay import LiveConfig, LiveRecord, load_trace, run_live
 from gateway.local.engines import LocalEngine
 from gateway.sim.traces import Play
 from testing.replicas import GatewayReplica, Nginx
-from tests.conftest import MODEL, cluster_config, three_engines
+from tests.conftest import MODEL, cluster_config
 from tests.gateway.test_session_store_outage import RedisProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.redis]
@@ -58,13 +58,6 @@ class Fleet:
 
 def _plays() -> list[Play]:
     return load_trace(TRACE, 3, max_requests=12, scale=True, max_context=3072, max_output=16)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]:
-    """The gateway tests' three engines (tests/conftest.py), this module's own."""
-    with three_engines(tiny_llama, workdir / "balancer-engines") as engines:
-        yield engines
 
 
 @pytest.fixture(scope="module")

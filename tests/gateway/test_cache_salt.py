@@ -3,26 +3,20 @@ prompt under another tenant's salt gets no cached tokens, under the same salt it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
-from gateway.local.engines import LocalEngine, start_engines
+from gateway.local.engines import LocalEngine
 from gateway.service.tenants import cache_salt
-from tests.conftest import MODEL, engine_specs
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama: Path, workdir: Path) -> Iterator[LocalEngine]:
-    (e,) = start_engines(engine_specs(tiny_llama, ["salt0"], workdir), timeout_s=300)
-    try:
-        yield e
-    finally:
-        e.stop()
+def engine(cluster: dict[str, LocalEngine]) -> LocalEngine:
+    """A warm engine of the shared cluster (prefix caching on; the prompt below is this test's)."""
+    return cluster["warm1"]
 
 
 def cached(engine: LocalEngine, prompt: str, salt: str | None) -> int:
