@@ -115,6 +115,7 @@ class GatewayService:
             self.roles.start()
         self.kv_feeds.start({s.name: s.config.kv_events for s in self.cluster.engines.values()})
         self.membership.start()
+        self.sessions.start()
         if self.shared_load is not None:
             self.shared_load.start()
 
@@ -184,6 +185,8 @@ class GatewayService:
         except UpstreamFailed as exc:
             if continues is None or decision.reason != "owner" or not exc.connect:
                 raise
+            # not refused (a timeout: paused, overloaded): it may hold it still, a 503 to retry
+            self.cluster.owner_unavailable(decision.engine, "previous_response_id", failed=True)
             why = f"the engine that stored it, '{decision.engine}', cannot be reached"
             raise ResponseNotFound(continues, "previous_response_id", why) from None
 
@@ -207,6 +210,7 @@ class GatewayService:
         except UpstreamFailed as exc:
             if not exc.connect:
                 raise
+            self.cluster.owner_unavailable(owner, "response_id", failed=True)
             why = f"the engine that stored it, '{owner}', cannot be reached"
             raise ResponseNotFound(response_id, "response_id", why) from None
 

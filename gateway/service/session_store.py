@@ -38,6 +38,7 @@ until its TTL: the store holds soft state.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -82,6 +83,10 @@ class SessionStore(Protocol):
     async def recent(self, limit: int, now: float) -> list[SessionRecord]: ...
 
     async def close(self) -> None: ...
+
+    def start(self) -> None:
+        """Start what watches the store in the background (on the app's lifespan)."""
+        ...
 
     async def probe(self) -> bool:
         """Is the store degraded (serving from a local view)? May try to recover first."""
@@ -155,6 +160,9 @@ class MemorySessionStore:
     async def close(self) -> None:
         return None
 
+    def start(self) -> None:
+        return None
+
     async def probe(self) -> bool:
         return False
 
@@ -207,6 +215,7 @@ class RedisSessionStore:
         """The epoch marker this store last saw in Redis (None: not read yet)."""
         self._reseeding = asyncio.Lock()
         self.reseeds = 0
+        self._watch: asyncio.Task[None] | None = None
         """Times Redis was found to have lost its data and the local view was pushed back."""
 
     def _key(self, session_id: str) -> str:
@@ -289,7 +298,34 @@ class RedisSessionStore:
 
         return await self._either("recent", remote, local)
 
+    def start(self) -> None:
+        """Watch the epoch marker every ``retry_s``: when another replica found Redis empty and
+        wrote a new one, this replica pushes its local view back at once, not at its own next
+        miss (a session whose last turns went through this replica would be missed meanwhile)."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_epoch())
+
+    async def _watch_epoch(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry_s)
+            try:
+                if self.degraded:
+                    await self._try_recover()
+                    continue
+                epoch = await self.redis.get(self._epoch_key)
+                if self._epoch is not None and epoch != self._epoch:
+                    await self._reseed()
+            except (*OUTAGE_ERRORS, SessionStoreBusy) as exc:
+                self._enter_degraded(exc)
+            except Exception:  # a watcher must outlive a bad reply
+                log.exception("session store: epoch watch failed")
+
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
         await self.redis.aclose()
 
     async def probe(self) -> bool:

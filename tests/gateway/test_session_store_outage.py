@@ -5,6 +5,7 @@ WATCH/MULTI retry loop (it used to spin forever under conflicts)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -278,6 +279,35 @@ async def test_redis_restarted_empty_gets_the_local_views_back(rp: RedisProcess)
         await a.put(rec("new", clock.t))
         await settle(a)
         assert a.reseeds == 2 and stored(rp, "s1") is not None and stored(rp, "new") is not None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_replica_pushes_its_view_back_when_another_finds_redis_empty(rp: RedisProcess) -> None:
+    """The epoch watch: replica b writes nothing after the restart, but a's miss writes a new
+    marker, and b (watching every retry_s) pushes back the sessions only it holds."""
+    a = RedisSessionStore(rp.url, 100, 3600, retry_s=0.1)
+    b = RedisSessionStore(rp.url, 100, 3600, retry_s=0.1)
+    try:
+        now = time.time()
+        await b.put(rec("only_b", now, turns=4))
+        await a.put(rec("only_a", now))
+        b.start()
+        rp.stop()
+        rp.start()
+        for _ in range(3):  # a's first call may find its pooled connection dead (degraded)
+            if (await a.get("only_b", now)) is None and not a.degraded:
+                break
+            await asyncio.sleep(0.2)
+        for _ in range(100):  # bounded: b looks every 0.1 s
+            if stored(rp, "only_b") is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert stored(rp, "only_b")["turns"] == 4  # type: ignore[index]
+        assert b.reseeds == 1
+        got = await a.get("only_b", now)
+        assert got is not None and got.home == "e0"
     finally:
         await a.close()
         await b.close()
