@@ -29,10 +29,10 @@ session's (the gateway lost a home it had), and each replica's peak RSS.
 What counts as a violation (exit status 1):
 
 - any request failed before it started, or got no answer;
-- a stream cut without an error event, except one cut within 1 s after the SIGKILL of a replica:
-  a process killed mid-stream cannot write an error event, and nginx cannot either once the
-  response has begun; the client sees the transport error (an incomplete chunked body). Those are
-  reported apart (``cut_by_replica_kill``);
+- a stream cut without an error event, except one the SIGKILLed replica was relaying (nginx's
+  ``X-Upstream-Addr`` names it): a process killed mid-stream cannot write an error event, and
+  nginx cannot either once the response has begun; the client sees the transport error (an
+  incomplete chunked body). Those are reported apart (``cut_by_replica_kill``);
 - a Responses chain that could not continue while the engine holding its last response was up
   (vLLM keeps a stored response in the memory of the engine that made it: a chain whose engine
   was SIGKILLed is reported apart, ``chains_lost_with_engine``);
@@ -70,8 +70,6 @@ from gateway.local.redis_server import LocalRedis
 from testing.replicas import GatewayReplica, Nginx
 
 STAND_IN_MODEL = "chaos-model"
-REPLICA_CUT_WINDOW_S = 1.0
-"""A stream cut this soon after a replica's SIGKILL is charged to the kill."""
 RETRIES = 8
 """A Responses link is retried this many times (a connection error, a 429, a 5xx), each after
 its Retry-After: about as long as a fault's outage, where the OpenAI SDK's default is 2."""
@@ -250,6 +248,8 @@ class FaultRecord:
     back: float | None = None
     recovered: float | None = None
     note: str = ""
+    target: str = ""
+    """The part it hit (a replica's address)."""
 
 
 async def run_fault(
@@ -294,7 +294,7 @@ async def schedule(
     paused, killed = d.engines[1 % len(d.engines)], d.engines[-1]
     tasks = []
     await at(0.15)
-    r1 = FaultRecord("SIGKILL replica " + victim.name, 0.0)
+    r1 = FaultRecord("SIGKILL replica " + victim.name, 0.0, target=victim.addr)
     tasks.append(asyncio.create_task(run_fault(http, d, r1, victim.kill, lambda: victim.start(120), 3.0)))
     await asyncio.sleep(1.5)
     r2 = FaultRecord("restart redis-server (empty)", 0.0)
@@ -464,19 +464,22 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         await asyncio.gather(*tasks)
         await sched
         killed.kill = orig_kill  # type: ignore[method-assign]
-    replica_kill = next((f.at for f in faults if f.fault.startswith("SIGKILL replica")), None)
+    replica_kill = next((f for f in faults if f.fault.startswith("SIGKILL replica")), None)
+    killed_addr = replica_kill.target if replica_kill is not None else ""
+    # a stream the killed replica was relaying (nginx's X-Upstream-Addr names it), cut after the kill
     cut_by_kill = sum(
         1
-        for when, kind in t.events
+        for when, kind, upstream in t.events
         if kind == "cut_silently"
         and replica_kill is not None
-        and 0 <= when - replica_kill <= REPLICA_CUT_WINDOW_S
+        and when >= replica_kill.at
+        and upstream.rsplit(", ", 1)[-1] == killed_addr
     )
     rows = []
     for f in faults:
         stop = (f.recovered or f.back or f.at) + SETTLE_S
         counts: dict[str, int] = {}
-        for when, kind in t.events:
+        for when, kind, _upstream in t.events:
             if f.at <= when <= stop:
                 counts[kind] = counts.get(kind, 0) + 1
         rows.append(

@@ -155,13 +155,15 @@ class Tally:
     """Sessions left idle (id -> monotonic time of their last request's end)."""
     lost_home: int = 0
     """Later turns of a session routed as a new session's first (the gateway no longer knew it)."""
-    events: list[tuple[float, str]] = field(default_factory=list)
+    events: list[tuple[float, str, str]] = field(default_factory=list)
     """(monotonic time, kind) of every request that did not end ok: ``cut_silently``,
     ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (a chaos run charges
-    each to the fault whose window it fell in)."""
+    each to the fault whose window it fell in), with the replica that served it behind a balancer."""
 
-    def event(self, kind: str) -> None:
-        self.events.append((time.monotonic(), kind))
+    def event(self, kind: str, upstream: str = "") -> None:
+        """``upstream``: the balancer's ``X-Upstream-Addr`` of the answer (the replica(s) that
+        served it), when it came through one."""
+        self.events.append((time.monotonic(), kind, upstream))
 
     def note(self, reason: str) -> None:
         if len(self.reasons) < 64 or reason in self.reasons:
@@ -199,6 +201,7 @@ async def turn(
     t0 = time.monotonic()
     started = done = error = finished = False
     first: float | None = None
+    upstream = ""
     text: list[str] = []
     try:
         async with c.http.post(c.url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -213,6 +216,7 @@ async def turn(
                 t.note(f"{r.status} {code}")
                 return ""
             started = True
+            upstream = r.headers.get("x-upstream-addr", "")
             if r.headers.get("x-agentgw-reason") == "retry":
                 t.retried += 1
             if later and r.headers.get("x-agentgw-reason") == "new_session":
@@ -243,7 +247,7 @@ async def turn(
             t.note(f"connect: {type(exc).__name__}")
             return ""
         t.cut_silently += 1
-        t.event("cut_silently")
+        t.event("cut_silently", upstream)
         t.note(f"cut: {type(exc).__name__}")
         return ""
     if error and done:
@@ -257,7 +261,7 @@ async def turn(
         return "".join(text)
     else:
         t.cut_silently += 1
-        t.event("cut_silently")
+        t.event("cut_silently", upstream)
         t.note("stream ended without [DONE]" if not done else "no finish reason")
     return ""
 

@@ -30,8 +30,10 @@ epoch marker in Redis (``<prefix>epoch``, set once by whichever replica writes i
 it beside every record it misses. A missing or changed marker means Redis lost what it held: the
 store writes a new marker (or adopts the one another replica just wrote) and pushes every live
 record of its local view back (with what is left of its TTL; a newer record another replica wrote
-meanwhile wins), then reads again. So a session's next turn keeps the home a replica knew, and a
-Responses chain its owner. (A session another replica deleted before the loss may come back
+meanwhile wins), then reads again; every store also watches the marker every ``retry_s``, and a
+miss within ``2 * retry_s`` of a loss waits one watch period for the other replicas' records
+before it answers. So a session's next turn keeps the home a replica knew, and a Responses chain
+its owner. (A session another replica deleted before the loss may come back
 until its TTL: the store holds soft state.)
 """
 
@@ -216,6 +218,8 @@ class RedisSessionStore:
         self._reseeding = asyncio.Lock()
         self.reseeds = 0
         self._watch: asyncio.Task[None] | None = None
+        self._loss_at: float | None = None
+        """When this store last found that Redis had lost its data."""
         """Times Redis was found to have lost its data and the local view was pushed back."""
 
     def _key(self, session_id: str) -> str:
@@ -416,6 +420,11 @@ class RedisSessionStore:
         if raw is None and (epoch is None or epoch != self._epoch):
             await self._reseed()
             raw = await self.redis.get(self._key(session_id))
+        if raw is None and self._loss_at is not None and self.clock() - self._loss_at < 2 * self.retry_s:
+            # Redis lost its data a moment ago: the other replicas push their local views back
+            # within their next epoch watch (every retry_s); a record only they held is missed now
+            await asyncio.sleep(1.2 * self.retry_s)
+            raw = await self.redis.get(self._key(session_id))
         if raw is None:
             return None
         return SessionRecord.from_dict(orjson.loads(raw))
@@ -441,6 +450,7 @@ class RedisSessionStore:
             first = self._epoch is None
             self._epoch = current
             if not first:
+                self._loss_at = self.clock()
                 self.reseeds += 1
                 log.warning("session store: Redis lost its data; %d live sessions pushed back", pushed)
                 if self.metrics is not None:
