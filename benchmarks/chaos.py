@@ -36,7 +36,10 @@ What counts as a violation (exit status 1):
 - a Responses chain that could not continue while the engine holding its last response was up
   (vLLM keeps a stored response in the memory of the engine that made it: a chain whose engine
   was SIGKILLed is reported apart, ``chains_lost_with_engine``);
-- a later turn of a session routed as a new session's.
+- a later turn of a session routed as a new session's, except one whose turn before went
+  through the SIGKILLed replica: Redis restarts empty while that replica is down, so the
+  session's only copies (in Redis and in that replica's local view) are both gone; reported
+  apart (``lost_home_with_replica``).
 
     flock /tmp/agentgw-engines.lock python -m benchmarks.chaos --repeats 3
     python -m benchmarks.chaos --engines stand-in --duration 40 --repeats 1   # the CI form
@@ -475,6 +478,16 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         and when >= replica_kill.at
         and upstream.rsplit(", ", 1)[-1] == killed_addr
     )
+    # a home lost while Redis was empty and the killed replica, which served the session's turn
+    # before, was down: the session's only copies were in that Redis and that replica
+    lost_with_replica = sum(
+        1
+        for when, kind, upstream in t.events
+        if kind == "lost_home"
+        and replica_kill is not None
+        and upstream == killed_addr
+        and when >= replica_kill.at
+    )
     rows = []
     for f in faults:
         stop = (f.recovered or f.back or f.at) + SETTLE_S
@@ -502,7 +515,8 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         "failed_before_start": t.failed_before_start,
         "refused_4xx": t.refused_4xx,
         "side_5xx": t.side_5xx,
-        "lost_home": t.lost_home,
+        "lost_home": t.lost_home - lost_with_replica,
+        "lost_home_with_replica": lost_with_replica,
         "chain_links": chains.links,
         "chains_broken": chains.broken,
         "chains_lost_with_engine": chains.lost_with_engine,
@@ -549,6 +563,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         "refused_4xx",
         "side_5xx",
         "lost_home",
+        "lost_home_with_replica",
         "chain_links",
         "chain_retries",
         "chains_broken",

@@ -155,6 +155,8 @@ class Tally:
     """Sessions left idle (id -> monotonic time of their last request's end)."""
     lost_home: int = 0
     """Later turns of a session routed as a new session's first (the gateway no longer knew it)."""
+    last_upstream: dict[str, str] = field(default_factory=dict)
+    """Behind a balancer: the replica that served each session's last turn (``X-Upstream-Addr``)."""
     events: list[tuple[float, str, str]] = field(default_factory=list)
     """(monotonic time, kind) of every request that did not end ok: ``cut_silently``,
     ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (a chaos run charges
@@ -221,7 +223,10 @@ async def turn(
                 t.retried += 1
             if later and r.headers.get("x-agentgw-reason") == "new_session":
                 t.lost_home += 1
-                t.event("lost_home")
+                # the replica that served the turn before (it alone may have held the session)
+                t.event("lost_home", t.last_upstream.get(sid, ""))
+            if upstream:
+                t.last_upstream[sid] = upstream.rsplit(", ", 1)[-1]
             async for raw in r.content:
                 line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
