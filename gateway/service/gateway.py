@@ -185,8 +185,6 @@ class GatewayService:
         except UpstreamFailed as exc:
             if continues is None or decision.reason != "owner" or not exc.connect:
                 raise
-            # not refused (a timeout: paused, overloaded): it may hold it still, a 503 to retry
-            self.cluster.owner_unavailable(decision.engine, "previous_response_id", failed=True)
             why = f"the engine that stored it, '{decision.engine}', cannot be reached"
             raise ResponseNotFound(continues, "previous_response_id", why) from None
 
@@ -210,7 +208,6 @@ class GatewayService:
         except UpstreamFailed as exc:
             if not exc.connect:
                 raise
-            self.cluster.owner_unavailable(owner, "response_id", failed=True)
             why = f"the engine that stored it, '{owner}', cannot be reached"
             raise ResponseNotFound(response_id, "response_id", why) from None
 
