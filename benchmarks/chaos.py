@@ -128,7 +128,6 @@ class Deployment:
     replicas: list[GatewayReplica]
     nginx: Nginx
     model: str
-    stop_extra: list[Callable[[], None]] = field(default_factory=list)
 
     def stop(self) -> None:
         for step in (
@@ -137,7 +136,6 @@ class Deployment:
             *(e.stop for e in self.engines),
             self.mooncake.stop,
             self.redis.stop,
-            *self.stop_extra,
         ):
             with contextlib.suppress(Exception):
                 step()
@@ -146,7 +144,6 @@ class Deployment:
 def deploy(kind: str, work: Path, replicas: int) -> Deployment:
     """Start everything: Redis, Mooncake, engines, the replicas, nginx."""
     engines: list[Engine] = []
-    extra: list[Callable[[], None]] = []
     if kind == "real":
         from gateway.local.embedded import DEFAULT_HOME, SERVED_NAMES, start_local_stack
 
@@ -197,7 +194,7 @@ def deploy(kind: str, work: Path, replicas: int) -> Deployment:
         mooncake.stop()
         redis.stop()
         raise
-    return Deployment(engines, redis, mooncake, reps, nginx, model, extra)
+    return Deployment(engines, redis, mooncake, reps, nginx, model)
 
 
 # -- observation ----------------------------------------------------------------------------------
