@@ -286,6 +286,11 @@ class TenantConfig(_Strict):
     """Rate buckets hold ``rate * burst_s`` (at least one request's worth)."""
     max_concurrent: int | None = Field(None, gt=0)
     """Requests (streams) of this tenant in flight at once."""
+    share: float = Field(1.0, gt=0, le=1_000_000)
+    """The tenant's weight when capacity is short: the gateway's and each engine's wait queue
+    serve waiting tenants in proportion to their shares (a tenant with share 2 gets twice the
+    slots of one with share 1 while both wait), and a full queue pushes out the newest waiter
+    of the tenant furthest over its share."""
     max_sessions: int | None = Field(None, gt=0)
     """Sessions this tenant may hold in the session store; a new one past it makes the tenant's
     own least recently active session be forgotten (never another tenant's). None: an equal
@@ -332,7 +337,12 @@ class AdmissionConfig(_Strict):
     max_queue_per_engine: int = Field(256, ge=0)
     """Requests waiting for a slot on one engine; past it a 503 with ``Retry-After``."""
     retry_after_s: int = Field(1, ge=0)
-    """``Retry-After`` of an admission 503 (rate-limit 429s say when the bucket refills)."""
+    """The least ``Retry-After`` of an admission 503; past it, the estimated wait for the
+    tenant's next slot (rate-limit 429s say when the bucket refills)."""
+    max_retry_bookings: int = Field(4096, ge=0)
+    """Refused requests whose retry time the gateway keeps (their session's place at the time
+    its ``Retry-After`` names; oldest dropped past it); 0: no bookings, ``Retry-After`` is only
+    an estimate."""
     starts_per_tick: int = Field(32, gt=0)
     """Requests that may start their analysis in one event-loop iteration; a burst beyond it
     waits for the next iterations, so timers (upstream connect, probes) are not starved."""

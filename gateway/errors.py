@@ -99,10 +99,19 @@ class Refused(DomainError):
     full queue, a busy engine, a session updated concurrently). ``code`` names the limit."""
 
     def __init__(
-        self, message: str, code: str, retry_after: int, own: bool = False, field: str | None = None
+        self,
+        message: str,
+        code: str,
+        retry_after: int,
+        own: bool = False,
+        field: str | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.retry_after = retry_after
+        self.retry_after_ms = retry_after_ms
+        """The same wait to the millisecond (``retry-after-ms``, read first by the OpenAI and
+        Anthropic SDKs), where the gateway booked the retry's time."""
         self.own = own
         self.field = field

@@ -31,7 +31,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import httptools
@@ -82,6 +82,10 @@ class EngineState:
         """Leads every id, so ids differ between stand-ins and across a restart (as vLLM's random
         ones do: the gateway keys a stored response's owner by its id)."""
         self.num_running = 0
+        self.num_waiting = 0
+        self.slots: asyncio.Semaphore | None = None
+        """``--max-running``: streams past it wait (their time to first token grows), as requests
+        wait in a full vLLM batch; None: no limit."""
         self.num_unknown_paths = 0
         self.num_count_tokens = 0
         self.num_connections = 0
@@ -216,7 +220,7 @@ class EngineState:
             f"vllm:num_requests_running{label} {float(self.num_running)}",
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{label} 0.0",
+            f"vllm:num_requests_waiting{label} {float(self.num_waiting)}",
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{label} {min(1.0, self.num_running / 256):.4f}",
@@ -509,30 +513,46 @@ class FakeEngineProtocol(asyncio.Protocol):
     async def _late(self, body: bytes) -> None:
         """A non-streamed answer sent after ``ttft_s`` (the time a real engine takes to finish)."""
         state = self.state
+        async with self._running():
+            try:
+                await asyncio.sleep(state.ttft_s)
+                self._delayed = None
+                self._reply(200, body)
+            finally:
+                self._delayed = None
+
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        """Hold one of the engine's ``--max-running`` places (waiting for one when all are taken)."""
+        state = self.state
+        if state.slots is not None:
+            state.num_waiting += 1
+            try:
+                await state.slots.acquire()
+            finally:
+                state.num_waiting -= 1
         state.num_running += 1
         try:
-            await asyncio.sleep(state.ttft_s)
-            self._delayed = None
-            self._reply(200, body)
+            yield
         finally:
             state.num_running -= 1
-            self._delayed = None
+            if state.slots is not None:
+                state.slots.release()
 
     async def _paced(self, head: bytes, events: list[bytes]) -> None:
         state = self.state
-        state.num_running += 1
         try:
             self._write(head, end=False)
-            if state.hold is not None:
-                await state.hold.wait()
-            await asyncio.sleep(state.ttft_s)
-            for i, ev in enumerate(events):
-                if i and state.itl_s > 0:
-                    await asyncio.sleep(state.itl_s)
-                self._write(_chunk(ev), end=False)
-            self._write(_LAST_CHUNK)
+            async with self._running():
+                if state.hold is not None:
+                    await state.hold.wait()
+                await asyncio.sleep(state.ttft_s)
+                for i, ev in enumerate(events):
+                    if i and state.itl_s > 0:
+                        await asyncio.sleep(state.itl_s)
+                    self._write(_chunk(ev), end=False)
+                self._write(_LAST_CHUNK)
         finally:
-            state.num_running -= 1
             self._delayed = None
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.resume_reading()
@@ -613,6 +633,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="non-streamed answers send this many body bytes, then the connection closes",
     )
+    ap.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="streams generating at once; later ones wait for a place (a fixed capacity)",
+    )
     args = ap.parse_args(argv)
     if args.tokens < 1:
         ap.error("--tokens must be >= 1")
@@ -620,6 +646,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.hold:
         state.hold = asyncio.Event()
     state.cut_after = args.cut_after_bytes
+    if args.max_running is not None:
+        if args.max_running < 1:
+            ap.error("--max-running must be >= 1")
+        state.slots = asyncio.Semaphore(args.max_running)
 
     def started(server: asyncio.Server) -> None:
         print(f"fake engine {args.model!r} listening on http://{args.host}:{args.port}", flush=True)

@@ -59,6 +59,7 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     retry_after: int | None = None
+    retry_after_ms: int | None = None
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, self.param, self.code)
@@ -71,6 +72,8 @@ class ApiError(Exception):
         h = [(b"content-type", b"application/json")]
         if self.retry_after is not None:
             h.append((b"retry-after", str(self.retry_after).encode()))
+        if self.retry_after_ms is not None:
+            h.append((b"retry-after-ms", str(self.retry_after_ms).encode()))
         return h
 
 
@@ -195,7 +198,9 @@ def to_api_error(exc: DomainError | HintError) -> ApiError:
             return ApiError(400, exc.message, exc.field, "previous_response_not_found")
         return ApiError(404, exc.message, exc.field, "response_not_found")
     if isinstance(exc, Refused):  # the caller's own limit: 429; the gateway's capacity: 503
-        return ApiError(429 if exc.own else 503, exc.message, exc.field, exc.code, exc.retry_after)
+        return ApiError(
+            429 if exc.own else 503, exc.message, exc.field, exc.code, exc.retry_after, exc.retry_after_ms
+        )
     if isinstance(exc, BadRequest):
         return ApiError(400, exc.message, exc.field, exc.code)
     if isinstance(exc, TooLarge):

@@ -12,12 +12,17 @@ not a body read, a parse and an analysis. Order of checks (nothing is consumed u
    debited afterwards with :meth:`Admission.charge`, so the bucket may go into debt) -> 429
    ``tenant_token_rate_limited``;
 4. a global slot (``admission.max_inflight``): when none is free the request waits in a bounded
-   queue, interactive turns before background subagents and FIFO within each class; a full
-   queue or a wait past ``queue_timeout_s`` -> 503 ``gateway_busy``.
+   queue (:class:`Slots`), interactive turns before background subagents, and within each class
+   the tenants served in proportion to their ``share`` (FIFO within a tenant); a full queue
+   pushes out the newest waiter of the tenant furthest over its share; a full queue the
+   newcomer's own tenant fills, an estimated wait past ``queue_timeout_s`` or a wait that reaches
+   it -> 503 ``gateway_busy``.
 
 :meth:`Admission.engine_slot` does the same for one engine (``max_inflight_per_engine``,
-``max_queue_per_engine``) -> 503 ``engine_busy``. Every rejection carries ``Retry-After``
-(seconds until the bucket refills for rate limits, ``admission.retry_after_s`` otherwise).
+``max_queue_per_engine``) -> 503 ``engine_busy``. Every rejection carries ``Retry-After``:
+seconds until the bucket refills for rate limits; for capacity, the estimated wait for the
+tenant's next slot (its waiters and share against the queue's drain rate), at least
+``admission.retry_after_s``.
 Buckets are refilled lazily from the clock passed in; the tables are bounded by the number of
 configured tenants and engines.
 
@@ -44,6 +49,7 @@ from gateway.service.metrics import GatewayMetrics
 from gateway.service.tenants import Tenant
 
 INTERACTIVE, BACKGROUND = 0, 1
+MAX_RETRY_AFTER_S = 60
 
 
 class AdmissionRejected(Refused):
@@ -52,54 +58,347 @@ class AdmissionRejected(Refused):
 
 
 class _QueueFull(Exception):
-    pass
+    """No room in the wait queue (``pushed``: the waiter was pushed out of it by a tenant under
+    its share); ``wait``: the estimated seconds until the tenant's next slot."""
+
+    def __init__(self, wait: float | None = None, pushed: bool = False) -> None:
+        super().__init__()
+        self.wait = wait
+        self.pushed = pushed
+
+
+class _Waiting(Exception):
+    """The estimated wait is past the queue's timeout, or (``over_share``) the tenant has been
+    served more than its share while others wait: refused at once (``wait`` seconds)."""
+
+    def __init__(self, wait: float, over_share: bool = False) -> None:
+        super().__init__()
+        self.wait = wait
+        self.over_share = over_share
+
+
+_RATE_WINDOW_S = 30.0
+_RATE_SAMPLES = 512
+_CLASSES = 4  # internal classes: booked interactive, interactive, booked background, background
+_EARLY_S = 0.5  # a booked retry may come this much before its time
+_SHARE_WINDOW_S = 10.0  # the tenants' recent grants, against their shares
+
+
+def _cls(priority: int, booked: bool) -> int:
+    return 2 * priority + (0 if booked else 1)
+
+
+def _rate(times: deque[float], now: float) -> float | None:
+    """Events per second over the last 30 s of ``times``; None until 8 were seen."""
+    while times and now - times[0] > _RATE_WINDOW_S:
+        times.popleft()
+    if len(times) < 8:
+        return None
+    span = now - times[0]
+    return len(times) / span if span > 0 else None
 
 
 class Slots:
-    """A counting semaphore whose waiters form a bounded two-class queue: a freed slot goes to
-    the oldest interactive waiter, else the oldest background one (handed over directly, so a
-    newcomer never overtakes a waiter)."""
+    """A counting semaphore whose waiters form a bounded queue with two classes and weighted
+    fair shares between tenants, and whose refusals book the retry they announce.
 
-    def __init__(self, limit: int, max_waiters: int) -> None:
+    - A freed slot goes to an interactive request before a background one, and within each
+      class to a booked retry (below) first; then to the tenant with the least weighted service
+      so far (start-time fair queueing: each grant advances the tenant's virtual time by
+      ``1 / share``; a tenant that starts waiting starts at the current virtual time, so idle
+      time earns no credit), FIFO within a tenant. A slot is handed over directly, so a
+      newcomer never overtakes a waiter.
+    - A full queue pushes out the newest unbooked waiter of the tenant furthest over its share
+      of the waiters (background waiters first for an interactive newcomer); the newcomer is
+      refused only when its own tenant holds the most.
+    - The drain rate (slots freed per second over the last 30 s) gives each refusal its
+      estimated wait, and a newcomer whose estimated wait is past the timeout is refused at once
+      rather than after waiting it out.
+    - A refusal of a request with a key (its tenant and session) books a time for its retry
+      (:meth:`book`): each tenant's bookings in a class are spaced by its share of the rate that
+      class is served at (the drain rate for interactive requests, which go first; the rate
+      background ones were granted lately for those), so a refused client told
+      ``Retry-After: N`` that comes back then is queued before its class's unbooked waiters, and
+      unbooked newcomers count the bookings due ahead of them. The booking table is bounded
+      (``max_bookings``, oldest dropped) and a booking not used within ``grace_s`` of its time
+      lapses.
+    """
+
+    def __init__(
+        self,
+        limit: int,
+        max_waiters: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_bookings: int | None = None,
+        grace_s: float = 5.0,
+        on_booking: Callable[[str], None] | None = None,
+    ) -> None:
         self.limit = limit
         self.max_waiters = max_waiters
+        self.clock = clock
+        self.max_bookings = max_bookings if max_bookings is not None else 4096
+        self.grace_s = grace_s
         self.used = 0
-        self._queues: tuple[deque[asyncio.Future[None]], deque[asyncio.Future[None]]] = (deque(), deque())
+        self.waiting = 0
+        self.pushed_out = 0
+        """Waiters pushed out of a full queue by a tenant under its share (a counter)."""
+        self.bookings_kept = 0
+        """Booked retries that came back in time and were queued first (a counter)."""
+        self.on_booking = on_booking
+        """Told each booking's outcome: booked, kept, missed (refused again), lapsed."""
+        self._queues: tuple[dict[str, deque[asyncio.Future[None]]], ...] = tuple({} for _ in range(_CLASSES))
+        self._shares: dict[str, float] = {}
+        # per class: the tenants' virtual finish times (bounded by the tenants seen) and the
+        # class's virtual time (the start of the last grant)
+        self._finish: tuple[dict[str, float], ...] = tuple({} for _ in range(_CLASSES))
+        self._vtime = [0.0] * _CLASSES
+        self._freed: deque[float] = deque(maxlen=_RATE_SAMPLES)
+        self._background: deque[float] = deque(maxlen=_RATE_SAMPLES)  # grants to background requests
+        self._booked: dict[str, tuple[float, int]] = {}  # key -> (when its retry may come, priority)
+        self._horizon: dict[tuple[str, int], float] = {}  # (tenant, priority) -> next free booking time
+        self._recent: dict[str, deque[float]] = {}  # tenant -> its grants lately (bounded per tenant)
+
+    # -- reading -------------------------------------------------------------------------------
+    def drain_rate(self) -> float | None:
+        """Slots freed per second lately; None until enough were seen."""
+        return _rate(self._freed, self.clock())
 
     @property
-    def waiting(self) -> int:
-        return len(self._queues[0]) + len(self._queues[1])
+    def bookings(self) -> int:
+        return len(self._booked)
 
-    async def acquire(self, priority: int, timeout: float) -> None:
-        """Take a slot, waiting up to ``timeout`` s. Raises _QueueFull or TimeoutError."""
-        if self.used < self.limit and self.waiting == 0:
-            self.used += 1
+    def estimated_wait(
+        self, priority: int, tenant: str = "", share: float = 1.0, within: float = 0.0
+    ) -> float | None:
+        """Seconds until a new unbooked waiter of ``tenant`` in class ``priority`` would get a
+        slot, from the waiters ahead of it (its tenant's share of its class), the bookings of
+        its class or above due within ``within`` s and the drain rate."""
+        rate = self.drain_rate()
+        if rate is None:
+            return None
+        cls = _cls(priority, False)
+        ahead = float(sum(sum(len(q) for q in self._queues[c].values()) for c in range(cls)))
+        if within > 0 and self._booked:
+            due = self.clock() + within
+            ahead += sum(1 for at, p in self._booked.values() if at <= due and p <= priority)
+        queue = self._queues[cls]
+        mine = len(queue.get(tenant, ())) + 1
+        total = share + sum(self._shares.get(t, 1.0) for t in queue if t != tenant)
+        others = sum(len(q) for t, q in queue.items() if t != tenant)
+        ahead += min(others, mine * (total - share) / share) + mine
+        return ahead / rate
+
+    # -- taking and giving back ----------------------------------------------------------------
+    async def acquire(
+        self, priority: int, timeout: float, tenant: str = "", share: float = 1.0, key: str | None = None
+    ) -> None:
+        """Take a slot, waiting up to ``timeout`` s. Raises _QueueFull, _Waiting or TimeoutError.
+        ``key``: the request's booking key (a booked retry is queued before its class)."""
+        booked = key is not None and bool(self._booked) and self._use_booking(key)
+        cls = _cls(priority, booked)
+        if booked:
+            self.bookings_kept += 1
+            self._tell("kept")
+            if self.used < self.limit and not any(self._queues[c] for c in range(cls + 1)):
+                self._grant(priority, tenant)
+                return
+        elif self.contended() and self._over_share(tenant, share):
+            raise _Waiting(self.estimated_wait(priority, tenant, share, timeout) or 0.0, over_share=True)
+        elif self.used < self.limit and self.waiting == 0:
+            self._grant(priority, tenant)
             return
-        if self.waiting >= self.max_waiters:
-            raise _QueueFull
+        else:
+            wait = self.estimated_wait(priority, tenant, share, timeout)
+            if wait is not None and wait > timeout:
+                raise _Waiting(wait)
+            if self._unbooked_waiting() >= self.max_waiters and not self._push_out(cls, tenant, share):
+                raise _QueueFull(wait)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue = self._queues[priority]
+        queues = self._queues[cls]
+        queue = queues.get(tenant)
+        if queue is None:
+            queue = queues[tenant] = deque()
+            finish = self._finish[cls]
+            finish[tenant] = max(finish.get(tenant, 0.0), self._vtime[cls])
         queue.append(fut)
+        self._shares[tenant] = share
+        self.waiting += 1
         try:
             async with asyncio.timeout(timeout):
                 await fut
         except BaseException:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()  # handed a slot just as the wait ended: pass it on
-            else:
+            elif not fut.done() or fut.cancelled():
                 fut.cancel()
-                with contextlib.suppress(ValueError):
-                    queue.remove(fut)
+                self._drop(cls, tenant, fut)
+            if booked:
+                self._tell("missed")
             raise
 
     def release(self) -> None:
-        for queue in self._queues:
-            while queue:
+        now = self.clock()
+        self._freed.append(now)
+        for cls in range(_CLASSES):
+            queues = self._queues[cls]
+            while queues:
+                finish = self._finish[cls]
+                tenant = min(queues, key=lambda t: finish[t])
+                queue = queues[tenant]
                 fut = queue.popleft()
-                if not fut.done():
-                    fut.set_result(None)  # the slot changes hands; ``used`` stays
-                    return
+                self.waiting -= 1
+                if not queue:
+                    del queues[tenant]
+                if fut.done():
+                    continue
+                start = finish[tenant]
+                self._vtime[cls] = start
+                finish[tenant] = start + 1.0 / self._shares.get(tenant, 1.0)
+                if cls >= 2:
+                    self._background.append(now)
+                self._served(tenant, now)
+                fut.set_result(None)  # the slot changes hands; ``used`` stays
+                return
         self.used -= 1
+
+    def book(
+        self, key: str | None, tenant: str, share: float, wait: float | None, priority: int = 0
+    ) -> float | None:
+        """Book a time for the retry of a refused request (``key``: its tenant and session):
+        the later of its estimated ``wait`` and its tenant's next free booking time in its
+        class, each tenant's bookings spaced by its share of the rate the class is served at.
+        Returns the seconds until it (``retry-after-ms``; ``Retry-After`` rounds it up to whole
+        seconds, and a retry then is still in time), or ``wait`` when nothing can be booked (no
+        key, no rate yet; a background request while none is served: at least until the
+        interactive bookings are)."""
+        now = self.clock()
+        self._lapse(now)
+        rate = self.drain_rate() if priority == 0 else _rate(self._background, now)
+        if priority and rate is None:
+            # background requests are not being served (interactive ones take every slot):
+            # nothing to book by; not before the interactive bookings made so far are served
+            ahead = [h for (_, p), h in self._horizon.items() if p == 0 and h > now]
+            return max(wait or 0.0, max(ahead, default=now) - now) if ahead else wait
+        if key is None or rate is None or self.max_bookings == 0:
+            return wait
+        held = self._booked.get(key)
+        if held is not None and held[0] > now:
+            return held[0] - now  # came back early: its booking stands
+        horizon = self._horizon
+        for k in [k for k, h in horizon.items() if h <= now]:
+            del horizon[k]  # bounded by the tenants with bookings ahead
+        active = share + sum(self._shares.get(t, 1.0) for t, p in horizon if p == priority and t != tenant)
+        at = max(now + (wait or 0.0), horizon.get((tenant, priority), now))
+        horizon[(tenant, priority)] = at + active / (share * rate)
+        self._shares[tenant] = share
+        self._booked.pop(key, None)
+        self._booked[key] = (at, priority)
+        self._tell("booked")
+        while len(self._booked) > self.max_bookings:
+            del self._booked[next(iter(self._booked))]
+            self._tell("lapsed")
+        return at - now
+
+    # -- internals -----------------------------------------------------------------------------
+    def contended(self) -> bool:
+        """Requests are waiting, or refused ones are booked to come back."""
+        return self.waiting > 0 or bool(self._booked)
+
+    def _grant(self, priority: int, tenant: str) -> None:
+        self.used += 1
+        now = self.clock()
+        if priority:
+            self._background.append(now)
+        self._served(tenant, now)
+
+    def _served(self, tenant: str, now: float) -> None:
+        recent = self._recent.get(tenant)
+        if recent is None:
+            recent = self._recent[tenant] = deque(maxlen=_RATE_SAMPLES)
+        recent.append(now)
+
+    def _over_share(self, tenant: str, share: float) -> bool:
+        """Has ``tenant`` had more than its share of the grants of the last 10 s, among the
+        tenants served or booked in that time?"""
+        now = self.clock()
+        counts: dict[str, int] = {}
+        for t, times in self._recent.items():
+            while times and now - times[0] > _SHARE_WINDOW_S:
+                times.popleft()
+            if times:
+                counts[t] = len(times)
+        total = sum(counts.values())
+        if total < 8 or tenant not in counts:
+            return False
+        active = set(counts) | {t for (t, _) in self._horizon}
+        shares = share + sum(self._shares.get(t, 1.0) for t in active if t != tenant)
+        return counts[tenant] / total > share / shares
+
+    def _drop(self, cls: int, tenant: str, fut: asyncio.Future[None]) -> None:
+        queues = self._queues[cls]
+        queue = queues.get(tenant)
+        if queue is None:
+            return
+        with contextlib.suppress(ValueError):
+            queue.remove(fut)
+            self.waiting -= 1
+        if not queue:
+            del queues[tenant]
+
+    def _unbooked_waiting(self) -> int:
+        return sum(len(q) for c in (1, 3) for q in self._queues[c].values())
+
+    def _use_booking(self, key: str) -> bool:
+        """Take ``key``'s booking when it has one and it is due (not early, not lapsed)."""
+        held = self._booked.get(key)
+        if held is None:
+            return False
+        now = self.clock()
+        if now < held[0] - _EARLY_S:
+            return False  # came back before it was told to: not the booked retry
+        del self._booked[key]
+        if now > held[0] + self.grace_s:
+            self._tell("lapsed")
+            return False
+        return True
+
+    def _lapse(self, now: float) -> None:
+        """Drop the bookings whose retry did not come back in time (the oldest first)."""
+        booked = self._booked
+        while booked:
+            key = next(iter(booked))
+            if now <= booked[key][0] + self.grace_s:
+                break
+            del booked[key]
+            self._tell("lapsed")
+
+    def _tell(self, outcome: str) -> None:
+        if self.on_booking is not None:
+            self.on_booking(outcome)
+
+    def _push_out(self, newcomer: int, tenant: str, share: float) -> bool:
+        """Make room for an unbooked newcomer of class ``newcomer`` in a full queue: the newest
+        unbooked waiter of the tenant furthest over its share (of the background class first,
+        for an interactive newcomer). False when no one holds more than the newcomer's tenant
+        would."""
+        mine = (len(self._queues[newcomer].get(tenant, ())) + 1) / share
+        for cls in (3, 1) if newcomer == 1 else (3,):
+            queues = self._queues[cls]
+            if not queues:
+                continue
+            victim = max(queues, key=lambda t: len(queues[t]) / self._shares.get(t, 1.0))
+            over = len(queues[victim]) / self._shares.get(victim, 1.0)
+            if cls == newcomer and (victim == tenant or over <= mine):
+                return False
+            fut = queues[victim].pop()
+            self.waiting -= 1
+            if not queues[victim]:
+                del queues[victim]
+            self.pushed_out += 1
+            if not fut.done():
+                fut.set_exception(_QueueFull(pushed=True))
+            return True
+        return False
 
 
 class Turnstile:
@@ -231,7 +530,9 @@ class Admission:
         self.config = config
         self.clock = clock
         self.metrics = metrics
-        self.global_slots = Slots(config.max_inflight, config.max_queue)
+        self.global_slots = Slots(
+            config.max_inflight, config.max_queue, clock, config.max_retry_bookings, on_booking=self._booking
+        )
         self.turnstile = Turnstile(config.starts_per_tick)
         self.engines: dict[str, Slots] = {}
         self.tenants: dict[str, _TenantState] = {}
@@ -281,10 +582,12 @@ class Admission:
         interactive: bool = True,
         tokens: int = 0,
         entered: TenantPass | None = None,
+        key: str | None = None,
     ) -> AsyncIterator[Ticket]:
         """Hold a global slot for the body of the ``async with`` (raises AdmissionRejected).
         ``entered``: the request already passed its tenant's checks (:meth:`enter`); its
-        estimate is settled with ``tokens``. Else they are made here."""
+        estimate is settled with ``tokens``. Else they are made here. ``key``: what identifies
+        the request's retry (its session): a refusal books the time its ``Retry-After`` names."""
         own = entered is None
         if entered is None:
             entered = self.enter(tenant, tokens)
@@ -292,7 +595,9 @@ class Admission:
             self.settle(entered, tokens)
         ticket = Ticket(tenant.name, interactive)
         try:
-            ticket.waited = await self._acquire(self.global_slots, interactive, "gateway_busy", "the gateway")
+            ticket.waited = await self._acquire(
+                self.global_slots, interactive, "gateway_busy", "the gateway", tenant, key
+            )
             entered.state.admitted += 1
             self.stats.admitted += 1
             try:
@@ -305,14 +610,17 @@ class Admission:
                 entered.leave()
 
     @contextlib.asynccontextmanager
-    async def engine_slot(self, engine: str, interactive: bool = True) -> AsyncIterator[None]:
-        """Hold one of ``engine``'s in-flight slots (raises AdmissionRejected 503 ``engine_busy``)."""
+    async def engine_slot(
+        self, engine: str, interactive: bool = True, tenant: Tenant | None = None
+    ) -> AsyncIterator[None]:
+        """Hold one of ``engine``'s in-flight slots (raises AdmissionRejected 503 ``engine_busy``);
+        ``tenant``: whose share of the engine's queue the request waits in."""
         slots = self.engines.get(engine)
         if slots is None:
             slots = self.engines[engine] = Slots(
-                self.config.max_inflight_per_engine, self.config.max_queue_per_engine
+                self.config.max_inflight_per_engine, self.config.max_queue_per_engine, self.clock
             )
-        await self._acquire(slots, interactive, "engine_busy", f"engine '{engine}'")
+        await self._acquire(slots, interactive, "engine_busy", f"engine '{engine}'", tenant)
         try:
             yield
         finally:
@@ -370,38 +678,85 @@ class Admission:
         if ts.tokens is not None:
             ts.tokens.level -= tokens
 
-    async def _acquire(self, slots: Slots, interactive: bool, code: str, what: str) -> bool:
+    async def _acquire(
+        self,
+        slots: Slots,
+        interactive: bool,
+        code: str,
+        what: str,
+        tenant: Tenant | None = None,
+        key: str | None = None,
+    ) -> bool:
         queued = not (slots.used < slots.limit and slots.waiting == 0)
         if queued and slots.waiting < slots.max_waiters:
             self.stats.queued += 1
+        priority = INTERACTIVE if interactive else BACKGROUND
+        name, share = (tenant.name, tenant.share) if tenant is not None else ("", 1.0)
+        timeout = self.config.queue_timeout_s
+        if key is not None:
+            key = f"{name}\0{key}"
         try:
-            await slots.acquire(INTERACTIVE if interactive else BACKGROUND, self.config.queue_timeout_s)
-        except _QueueFull:
+            await slots.acquire(priority, timeout, name, share, key)
+        except _Waiting as exc:
             self._reject(
                 None,
                 code,
-                f"{what} is at capacity and its wait queue is full",
-                self.config.retry_after_s,
+                f"{what} is at capacity and this tenant has had more than its share of it lately"
+                if exc.over_share
+                else f"{what} is at capacity (estimated wait {exc.wait:.1f} s, past {timeout:g} s)",
+                self._retry_after(slots.book(key, name, share, exc.wait, priority)),
+            )
+        except _QueueFull as exc:
+            why = (
+                "its wait queue is full of requests of tenants under their share"
+                if exc.pushed
+                else ("its wait queue is full")
+            )
+            wait = exc.wait if exc.wait is not None else slots.estimated_wait(priority, name, share, timeout)
+            self._reject(
+                None,
+                code,
+                f"{what} is at capacity and {why}",
+                self._retry_after(slots.book(key, name, share, wait, priority)),
             )
         except TimeoutError:
+            wait = slots.estimated_wait(priority, name, share, timeout)
             self._reject(
                 None,
                 code,
-                f"{what} is at capacity (waited {self.config.queue_timeout_s:g} s)",
-                self.config.retry_after_s,
+                f"{what} is at capacity (waited {timeout:g} s)",
+                self._retry_after(slots.book(key, name, share, wait, priority)),
             )
         finally:
             self._gauge()
         return queued
 
-    def _reject(self, ts: _TenantState | None, code: str, message: str, retry_after: int) -> None:
+    def _retry_after(self, wait: float | None) -> tuple[int, int | None]:
+        """``Retry-After`` of a capacity refusal: the estimated (or booked) wait, at least
+        ``retry_after_s``, and the same to the millisecond (none without an estimate)."""
+        floor = self.config.retry_after_s
+        if wait is None:
+            return floor, None
+        wait = min(max(0.0, wait), float(MAX_RETRY_AFTER_S))
+        return max(floor, math.ceil(wait - 1e-6)), max(1, round(wait * 1000))
+
+    def _reject(
+        self, ts: _TenantState | None, code: str, message: str, retry_after: int | tuple[int, int | None]
+    ) -> None:
         """Refuse: ``ts`` the tenant whose own limit it is (None: the gateway's capacity)."""
+        retry_ms = None
+        if isinstance(retry_after, tuple):
+            retry_after, retry_ms = retry_after
         if ts is not None:
             ts.rejected += 1
         self.stats.rejected[code] = self.stats.rejected.get(code, 0) + 1
         if self.metrics is not None:
             self.metrics.admission_rejections.labels(code).inc()
-        raise AdmissionRejected(message, code, retry_after, own=ts is not None)
+        raise AdmissionRejected(message, code, retry_after, own=ts is not None, retry_after_ms=retry_ms)
+
+    def _booking(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.admission_retries.labels(outcome).inc()
 
     def _gauge(self) -> None:
         if self.metrics is not None:

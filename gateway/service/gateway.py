@@ -236,7 +236,7 @@ class GatewayService:
         interactive = a.hints.interactive
         async with (
             self.admission.admit(tenant, interactive, 0, entered=entered),
-            self.admission.engine_slot(d.engine, interactive),
+            self.admission.engine_slot(d.engine, interactive, tenant),
         ):
             return await self.forwarder.call(d.engine, "POST", path, raw)
 

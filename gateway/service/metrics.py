@@ -97,6 +97,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.admission_retries = Counter(
+            "agentgw_admission_retry_bookings",
+            "Retries booked by capacity refusals (booked), booked retries back in time and queued "
+            "first (kept), booked retries refused again (missed), bookings never used (lapsed)",
+            ["outcome"],
+            registry=r,
+        )
         self.admission_waiting = Gauge(
             "agentgw_admission_waiting", "Requests waiting for a global admission slot", registry=r
         )

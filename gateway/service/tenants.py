@@ -48,6 +48,7 @@ class Tenant:
     tokens_per_s: float | None = None
     burst_s: float = 2.0
     max_concurrent: int | None = None
+    share: float = 1.0
     cache_salt: str | None = None
     admin: bool = False
     anonymous: bool = False
@@ -209,6 +210,7 @@ def _tenant(tc: TenantConfig, secret: str) -> Tenant:
         tokens_per_s=tc.tokens_per_s,
         burst_s=tc.burst_s,
         max_concurrent=tc.max_concurrent,
+        share=tc.share,
         cache_salt=cache_salt(tc.name, secret),
     )
 

@@ -334,10 +334,16 @@ class Turns:
                 # engine's; interactive turns first
                 await admitted.enter_async_context(
                     self.admission.admit(
-                        turn.tenant, interactive, a.request.prompt_tokens, entered=turn.entered
+                        turn.tenant,
+                        interactive,
+                        a.request.prompt_tokens,
+                        entered=turn.entered,
+                        key=a.hints.session_id,
                     )
                 )
-                await admitted.enter_async_context(self.admission.engine_slot(d.engine, interactive))
+                await admitted.enter_async_context(
+                    self.admission.engine_slot(d.engine, interactive, turn.tenant)
+                )
                 turn.committed = True
                 await self.placement.place(a, d)
             except REFUSALS as exc:

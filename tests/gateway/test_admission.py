@@ -262,3 +262,208 @@ async def test_turnstile_lets_per_tick_through_each_loop_iteration() -> None:
     waiting[-1].cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
     assert gate.waiting == 0
+
+
+async def test_waiting_tenants_are_served_in_proportion_to_their_shares() -> None:
+    adm = make(max_inflight=1, max_queue=20)
+    heavy, light = Tenant("heavy", share=2.0), Tenant("light", share=1.0)
+    gate, release, order = asyncio.Event(), asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    tasks = []
+    for i in range(6):  # heavy's waiters all arrive first: FIFO would serve them all first
+        tasks.append(asyncio.create_task(hold(adm, heavy, release, order, f"heavy{i}")))
+        await settle()
+    for i in range(6):
+        tasks.append(asyncio.create_task(hold(adm, light, release, order, f"light{i}")))
+        await settle()
+    assert adm.waiting == 12
+    release.set()
+    gate.set()
+    await asyncio.gather(first, *tasks)
+    served = [tag.rstrip("0123456789") for tag in order[1:10]]
+    assert (served.count("heavy"), served.count("light")) == (6, 3)
+    assert [t for t in order if t.startswith("light")] == [f"light{i}" for i in range(6)]  # FIFO
+
+
+async def test_a_full_queue_pushes_out_the_tenant_furthest_over_its_share() -> None:
+    adm = make(max_inflight=1, max_queue=4, retry_after_s=1)
+    flood, quiet = Tenant("flood"), Tenant("quiet")
+    gate, order = asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    floods = [asyncio.create_task(hold(adm, flood, gate, order, f"flood{i}")) for i in range(4)]
+    await settle()
+    assert adm.waiting == 4
+    quiet_turn = asyncio.create_task(hold(adm, quiet, gate, order, "quiet"))
+    await settle()
+    # flood's newest waiter made room for quiet's, and learnt it at once
+    assert floods[3].done() and adm.global_slots.pushed_out == 1 and adm.waiting == 4
+    with pytest.raises(AdmissionRejected) as e:
+        await floods[3]
+    assert (to_api_error(e.value).status, e.value.code) == (503, "gateway_busy")
+    assert "under their share" in e.value.message
+    with pytest.raises(AdmissionRejected):  # flood holds the most of the queue: the newcomer is refused
+        async with adm.admit(flood):
+            pass
+    gate.set()
+    await asyncio.gather(first, quiet_turn, *floods[:3])
+    assert order[:2] == ["first", "flood0"] and "quiet" in order[2:4]  # fair share, not FIFO
+    assert (adm.inflight, adm.waiting) == (0, 0)
+
+
+async def test_an_interactive_turn_pushes_a_background_waiter_out_of_a_full_queue() -> None:
+    adm = make(max_inflight=1, max_queue=2)
+    gate, order = asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    bg = [
+        asyncio.create_task(hold(adm, ANONYMOUS, gate, order, f"bg{i}", interactive=False)) for i in range(2)
+    ]
+    await settle()
+    fg = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "fg"))
+    await settle()
+    assert bg[1].done() and not bg[0].done() and adm.waiting == 2
+    with pytest.raises(AdmissionRejected):
+        await bg[1]
+    gate.set()
+    await asyncio.gather(first, fg, bg[0])
+    assert order == ["first", "fg", "bg0"]
+
+
+async def test_retry_after_of_a_capacity_refusal_is_the_estimated_wait() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=4, queue_timeout_s=30.0, retry_after_s=1)
+    for _ in range(8):  # 8 slots freed over 4 s: the queue drains 2 a second
+        async with adm.admit(ANONYMOUS):
+            pass
+        clock.t += 0.5
+    gate, order = asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    waiters = [asyncio.create_task(hold(adm, ANONYMOUS, gate, order, f"w{i}")) for i in range(4)]
+    await settle()
+    assert adm.waiting == 4
+    with pytest.raises(AdmissionRejected) as e:  # full, its own tenant holds it: 5th in line
+        async with adm.admit(ANONYMOUS):
+            pass
+    assert (e.value.code, e.value.retry_after) == ("gateway_busy", 3)  # 5 / 2 per s, rounded up
+    gate.set()
+    await asyncio.gather(first, *waiters)
+
+
+async def test_an_estimated_wait_past_the_timeout_is_refused_at_once() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=10, queue_timeout_s=2.0, retry_after_s=1)
+    for _ in range(8):
+        async with adm.admit(ANONYMOUS):
+            pass
+        clock.t += 0.5
+    gate, order = asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    waiters = [asyncio.create_task(hold(adm, ANONYMOUS, gate, order, f"w{i}")) for i in range(3)]
+    await settle()
+    assert adm.waiting == 3  # 2 s at most: the 4th would wait 2.0 s, the 5th 2.5 s
+    w4 = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "w3"))
+    await settle()
+    assert adm.waiting == 4 and not w4.done()
+    with pytest.raises(AdmissionRejected) as e:
+        async with adm.admit(ANONYMOUS):
+            pass
+    assert (e.value.code, e.value.retry_after) == ("gateway_busy", 3)
+    assert "estimated wait 2.5 s" in e.value.message and adm.waiting == 4
+    gate.set()
+    await asyncio.gather(first, *waiters, w4)
+
+
+async def drained(adm: Admission, clock: Clock) -> None:
+    """8 slots freed over 4 s: the gateway's queue drains 2 a second."""
+    for _ in range(8):
+        async with adm.admit(ANONYMOUS):
+            pass
+        clock.t += 0.5
+
+
+async def test_a_refused_turn_retried_at_its_retry_after_is_served_before_the_queue() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=4, queue_timeout_s=30.0, retry_after_s=1)
+    await drained(adm, clock)
+    gate, order = asyncio.Event(), []
+    first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
+    await settle()
+    waiters = [asyncio.create_task(hold(adm, ANONYMOUS, gate, order, f"w{i}")) for i in range(4)]
+    await settle()
+    with pytest.raises(AdmissionRejected) as e:
+        async with adm.admit(ANONYMOUS, key="session-1"):
+            pass
+    assert (e.value.retry_after, e.value.retry_after_ms) == (3, 2500) and adm.global_slots.bookings == 1
+    assert (b"retry-after-ms", b"2500") in to_api_error(e.value).headers()
+    clock.t += 1.0  # back too early: not the booked retry, refused like any newcomer
+    with pytest.raises(AdmissionRejected):
+        async with adm.admit(ANONYMOUS, key="session-1"):
+            pass
+    clock.t += 2.0
+    with pytest.raises(AdmissionRejected):  # an unbooked newcomer still finds the queue full
+        async with adm.admit(ANONYMOUS, key="session-2"):
+            pass
+
+    async def retry() -> None:
+        async with adm.admit(ANONYMOUS, key="session-1"):
+            order.append("session-1")
+            await gate.wait()
+
+    kept = asyncio.create_task(retry())
+    await settle()
+    assert adm.global_slots.bookings_kept == 1 and adm.waiting == 5  # queued past the bound
+    gate.set()
+    await asyncio.gather(first, kept, *waiters)
+    assert order == ["first", "session-1", "w0", "w1", "w2", "w3"]
+
+
+async def test_bookings_are_spaced_by_the_tenants_shares() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=0)
+    await drained(adm, clock)
+    slots = adm.global_slots
+    gold = [slots.book(f"g{i}", "gold", 3.0, 1.0) for i in range(1)]
+    times = {"gold": gold, "bronze": []}
+    for i in range(6):
+        times["bronze"].append(slots.book(f"b{i}", "bronze", 1.0, 1.0))
+        times["gold"].append(slots.book(f"g{i + 1}", "gold", 3.0, 1.0))
+    # both backlogged: gold's retries are booked three times as densely as bronze's
+    # 3 every 2 s once both book, bronze 1 every 2 s
+    assert times["gold"] == pytest.approx([1.0, 1.5] + [1.5 + k * 2 / 3 for k in range(1, 6)])
+    assert times["bronze"] == pytest.approx([1.0, 3.0, 5.0, 7.0, 9.0, 11.0])
+    assert slots.book(None, "gold", 3.0, 1.5) == 1.5 and slots.bookings == 13  # no key: no booking
+
+
+async def test_the_booking_table_is_bounded_and_bookings_lapse() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=0)
+    await drained(adm, clock)
+    slots = adm.global_slots
+    for i in range(slots.max_bookings + 10):
+        slots.book(f"s{i}", "t", 1.0, 0.5)
+    assert slots.bookings == slots.max_bookings
+    clock.t += 10_000  # none came back: the next refusal drops them (and, with no slot freed
+    slots.book("late", "t", 1.0, 0.5)  # for so long, no drain rate to book by)
+    assert slots.bookings == 0
+
+
+async def test_a_tenant_over_its_share_is_refused_while_others_are_booked() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=2, max_queue=4)
+    a, b = Tenant("a"), Tenant("b")
+    for _ in range(10):  # no contention: a may take every free slot
+        async with adm.admit(a):
+            pass
+        clock.t += 0.2
+    assert adm.global_slots.book("b\0s1", "b", 1.0, 1.0) == pytest.approx(1.0)  # b was refused
+    with pytest.raises(AdmissionRejected) as e:  # a free slot, but a had all of them lately
+        async with adm.admit(a, key="s2"):
+            pass
+    assert e.value.code == "gateway_busy" and "more than its share" in e.value.message
+    assert e.value.retry_after_ms is not None and adm.global_slots.bookings == 2
+    async with adm.admit(b):  # b, under its share, is admitted at once
+        assert adm.inflight == 1
