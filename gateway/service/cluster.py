@@ -262,16 +262,18 @@ class Cluster:
             return False
         return s.healthy or (s.seen and not s.refused and self.panicking()[s.pool])
 
-    def owner_unavailable(self, name: str, field: str) -> None:
+    def owner_unavailable(self, name: str, field: str, timed_out: bool = False) -> None:
         """``name`` holds state a request continues (a stored response, named by the request's
-        ``field``) and is not healthy: raise Refused (a 503 ``owner_unavailable`` to retry) when it may still hold it: it is failing probes
-        (paused, overloaded) or has not answered since the gateway started. Return when it is
-        known gone (refusing connections: the process is down, and vLLM kept the state in its
-        memory; or removed): the caller answers that the state is not found."""
+        ``field``) and is not healthy, or (``timed_out``) a request to it just ran out of time:
+        raise Refused (a 503 ``owner_unavailable`` to retry) when it may still hold it: it is
+        failing probes or not answering in time (paused, overloaded) or has not answered since
+        the gateway started. Return when it is known gone (refusing connections: the process is
+        down, and vLLM kept the state in its memory; or removed): the caller answers that the
+        state is not found."""
         s = self.engines.get(name)
-        if s is None or s.removed or s.refused or s.healthy:
+        if s is None or s.removed or s.refused or (s.healthy and not timed_out):
             return
-        why = "starting" if not s.seen else "failing probes"
+        why = "starting" if not s.seen else ("failing probes" if not s.healthy else "not answering in time")
         message = f"the engine that holds it, '{name}', is not answering now ({why}); retry"
         raise Refused(message, "owner_unavailable", 2, field=field)
 

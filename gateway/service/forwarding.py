@@ -264,7 +264,11 @@ class Forwarder:
                 self.cluster.end(name)  # cancelled (the client left) while connecting
                 raise
             return Relay(name, state.pool, response, retried=fallback, cluster=self.cluster, ticket=ticket)
-        raise UpstreamFailed(f"could not connect to any engine of pool '{decision.pool}': {last!r}", True)
+        raise UpstreamFailed(
+            f"could not connect to any engine of pool '{decision.pool}': {last!r}",
+            True,
+            timed_out=last is not None and _timeout_s(last, t) is not None,
+        )
 
     def _fallback(self, decision: Decision, tried: set[str]) -> str | None:
         """The best fallback not tried yet that is routable now (the decision's first one may be
@@ -295,7 +299,9 @@ class Forwarder:
         except (httpx.HTTPError, TimeoutError) as exc:
             self.metrics.upstream_errors.labels(engine, type(exc).__name__).inc()
             raise UpstreamFailed(
-                f"engine '{engine}' failed: {exc!r}", isinstance(exc, CONNECT_ERRORS)
+                f"engine '{engine}' failed: {exc!r}",
+                isinstance(exc, CONNECT_ERRORS),
+                timed_out=isinstance(exc, (httpx.TimeoutException, TimeoutError)),
             ) from None
         finally:
             self.cluster.end(engine)

@@ -185,6 +185,8 @@ class GatewayService:
         except UpstreamFailed as exc:
             if continues is None or decision.reason != "owner" or not exc.connect:
                 raise
+            # a paused engine times out before its probes fail: the response may still exist
+            self.cluster.owner_unavailable(decision.engine, "previous_response_id", exc.timed_out)
             why = f"the engine that stored it, '{decision.engine}', cannot be reached"
             raise ResponseNotFound(continues, "previous_response_id", why) from None
 
@@ -206,6 +208,7 @@ class GatewayService:
         try:
             return await self.forwarder.call(owner, method, path, None)
         except UpstreamFailed as exc:
+            self.cluster.owner_unavailable(owner, "response_id", exc.timed_out)
             if not exc.connect:
                 raise
             why = f"the engine that stored it, '{owner}', cannot be reached"

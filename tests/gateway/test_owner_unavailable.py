@@ -3,7 +3,8 @@
 
 - Its engine paused (SIGSTOP: failing probes, not refusing connections): a 503
   ``owner_unavailable`` with Retry-After naming the field, for ``previous_response_id`` and for
-  ``GET /v1/responses/{id}``; after SIGCONT the chain continues on that engine. Once the engine
+  ``GET /v1/responses/{id}``, also when a request to it times out before its probes fail;
+  after SIGCONT the chain continues on that engine. Once the engine
   is gone (SIGKILL: connections refused, vLLM's store with it), the 400 / 404 not-found answers.
 - Redis down and this replica's local view without the owner record: a 503
   ``session_store_unavailable`` (another replica may hold it), not a not-found; an owner the
@@ -122,6 +123,32 @@ def test_a_paused_owner_is_a_503_to_retry_and_a_dead_one_is_not_found(two: list[
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "previous_response_not_found"
         assert c.get(f"/v1/responses/{rid}").status_code == 404
+
+
+def test_a_paused_owner_that_times_out_before_its_probes_fail_is_a_503(two: list[StandIn]) -> None:
+    # probes far apart: the paused engine is still "healthy" when the chain's next link arrives
+    cfg = config(two)
+    cfg["timeouts"] = {"health_interval_s": 60, "first_byte_s": 1.0, "read_s": 1.0}
+    with ServedGateway(cfg) as gw, httpx.Client(base_url=gw.url, timeout=30) as c:
+        wait_ready(gw.url)
+        first = respond(c)
+        assert first.status_code == 200, first.text
+        rid, owner = first.json()["id"], first.headers["x-agentgw-engine"]
+        engine = two[int(owner[1:])]
+        state = gw.service.cluster.engines[owner]
+        engine.proc.send_signal(signal.SIGSTOP)
+        try:
+            r = respond(c, rid)  # connected (the kernel accepts), no answer within first_byte_s
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "owner_unavailable" and err["param"] == "previous_response_id", err
+            assert "not answering in time" in err["message"] and int(r.headers["retry-after"]) >= 1
+            assert state.healthy and not state.refused  # one timeout: not ejected, not refusing
+            g = c.get(f"/v1/responses/{rid}")
+            assert g.status_code == 503 and g.json()["error"]["param"] == "response_id", g.text
+        finally:
+            engine.proc.send_signal(signal.SIGCONT)
+        until(lambda: respond(c, rid).status_code == 200, "the chain goes on once the engine answers")
 
 
 @pytest.mark.redis
