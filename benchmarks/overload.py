@@ -492,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault((target, load), []).append(summarize(run, slo, fleet.shares))
     finally:
         fleet.stop()
-    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in results.items()}
+    med = {
+        k: {m: statistics.median(r.get(m, 0.0) for r in v) for m in sorted({m for r in v for m in r})}
+        for k, v in results.items()
+    }
     places = args.engines * args.max_running
     turn_s = (args.ttft_ms + args.itl_ms * (args.tokens - 1)) / 1000
     print(

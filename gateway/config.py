@@ -289,8 +289,10 @@ class TenantConfig(_Strict):
     share: float = Field(1.0, gt=0, le=1_000_000)
     """The tenant's weight when capacity is short: the gateway's and each engine's wait queue
     serve waiting tenants in proportion to their shares (a tenant with share 2 gets twice the
-    slots of one with share 1 while both wait), and a full queue pushes out the newest waiter
-    of the tenant furthest over its share."""
+    slots of one with share 1 while both wait); a full queue pushes out the newest waiter of the
+    tenant furthest over its share; while requests wait or refused ones are booked, a tenant that
+    has had more than its share of the last 10 s is refused first; and refused sessions'
+    retries are booked at each tenant's share of the rate slots free up."""
     max_sessions: int | None = Field(None, gt=0)
     """Sessions this tenant may hold in the session store; a new one past it makes the tenant's
     own least recently active session be forgotten (never another tenant's). None: an equal

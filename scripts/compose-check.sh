@@ -7,6 +7,9 @@
 #
 #   scripts/compose-check.sh            (run by scripts/test.sh after pytest; needs root or docker
 #                                        access, docker.io, docker-compose, debootstrap: setup.sh --test)
+#   scripts/compose-check.sh --build    only the daemon, the base image, the wheelhouse and the images
+#                                        (scripts/test.sh runs it beside pytest's phases)
+#   scripts/compose-check.sh --run      only up, check, down, on the images built before
 #
 # - starts dockerd in the background when no daemon answers (log .agentgw/dockerd.log);
 # - builds the base image agentgw-base:bookworm with debootstrap when it is missing;
@@ -18,6 +21,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
+mode=${1:-all}
+case "$mode" in
+  all | --build | --run) ;;
+  *) echo "usage: $0 [--build | --run]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-.venv/bin/python}
 BASE_IMAGE=agentgw-base:bookworm
 STATE=.agentgw
@@ -34,10 +42,6 @@ log() { echo "compose-check: $* ($(($(date +%s) - t0)) s)"; }
 # shellcheck source=scripts/docker-lib.sh
 . scripts/docker-lib.sh
 ensure_dockerd || exit 1
-ensure_base_image || exit 1
-cpu_wheelhouse "$WHEELS" || exit 1
-
-# ---- the images ----
 server=""
 stack_up=0
 cleanup() {
@@ -51,9 +55,14 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
-"$PY" -m http.server "$WHEELS_PORT" --bind 127.0.0.1 --directory "$WHEELS" >"$STATE/wheels-server.log" 2>&1 &
-server=$!
-"$PY" - "$WHEELS_PORT" <<'PY'
+if [ "$mode" != --run ]; then
+  ensure_base_image || exit 1
+  cpu_wheelhouse "$WHEELS" || exit 1
+
+  # ---- the images ----
+  "$PY" -m http.server "$WHEELS_PORT" --bind 127.0.0.1 --directory "$WHEELS" >"$STATE/wheels-server.log" 2>&1 &
+  server=$!
+  "$PY" - "$WHEELS_PORT" <<'PY'
 import sys, time, urllib.request
 for _ in range(100):
     try:
@@ -64,16 +73,22 @@ for _ in range(100):
 else:
     raise SystemExit("compose-check: the wheelhouse server did not start")
 PY
+  for target in gateway store engine-cpu; do
+    log "building agentgw-$target"
+    # apt inside the build reaches Debian's mirrors (a retry reuses the layers already built)
+    net_retry docker build --network host --target "$target" -t "agentgw-$target:latest" \
+      --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELS_URL="http://127.0.0.1:$WHEELS_PORT/" . \
+      >"$STATE/build-$target.log" 2>&1 || { tail -30 "$STATE/build-$target.log" >&2; exit 1; }
+  done
+  kill "$server" && server=""
+  # the previous builds' images, untagged by these (only agentgw's: the Dockerfile labels them)
+  docker image prune -f --filter label=org.opencontainers.image.title=agentgw >/dev/null
+fi
+if [ "$mode" = --build ]; then log "images built"; exit 0; fi
 for target in gateway store engine-cpu; do
-  log "building agentgw-$target"
-  # apt inside the build reaches Debian's mirrors (a retry reuses the layers already built)
-  net_retry docker build --network host --target "$target" -t "agentgw-$target:latest" \
-    --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELS_URL="http://127.0.0.1:$WHEELS_PORT/" . \
-    >"$STATE/build-$target.log" 2>&1 || { tail -30 "$STATE/build-$target.log" >&2; exit 1; }
+  docker image inspect "agentgw-$target:latest" >/dev/null 2>&1 \
+    || { echo "compose-check: no image agentgw-$target:latest (run scripts/compose-check.sh --build)" >&2; exit 1; }
 done
-kill "$server" && server=""
-# the previous builds' images, untagged by these (only agentgw's: the Dockerfile labels them)
-docker image prune -f --filter label=org.opencontainers.image.title=agentgw >/dev/null
 
 # ---- up, check, down (holding the engines lock) ----
 eval "$("$PY" scripts/compose_check.py ports)"

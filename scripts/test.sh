@@ -3,8 +3,8 @@
 #
 #   ./scripts/test.sh           set up everything the tests need (scripts/setup.sh --test), then
 #                               ruff, mypy, the whole suite and scripts/compose-check.sh (the
-#                               images and docker-compose.yml's cpu and replicas profiles). CI runs
-#                               exactly this. The suite runs in two phases: every test that needs
+#                               images, built beside the suite, and docker-compose.yml's cpu and
+#                               replicas profiles). CI runs exactly this. The suite runs in two phases: every test that needs
 #                               no engine or Mooncake on 2 pytest-xdist workers, then the tests
 #                               that start real vLLM engines or share the mooncake_master
 #                               (markers engine, store) and those xdist cannot run (serial) in
@@ -37,10 +37,14 @@ if [ $# -gt 0 ]; then
 fi
 # the whole suite, as CI runs it: the tests that need no engine or Mooncake on 2 workers, then the
 # engine and Mooncake tests in one process (one set of engines at a time), then docker-compose.yml
-# built and run. Each phase has the machine to itself: beside the engine tests, gateways under
-# test were starved for seconds (probes with timeouts of seconds failed).
+# run. Its images are built meanwhile (scripts/compose-check.sh --build: mostly downloads, wheel
+# unpacking and Docker's layer writes, in the background at low priority); nothing else runs beside
+# the pytest phases: beside the engine tests, gateways under test were starved for seconds
+# (probes with timeouts of seconds failed).
 logs=$(mktemp -d)
-rc_rest=0 rc_engines=0
+rc_rest=0 rc_engines=0 rc_build=0
+nice -n 15 ./scripts/compose-check.sh --build >"$logs/compose-build.log" 2>&1 &
+build=$!
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store and not serial" --durations=10 2>&1 | tee "$logs/rest.log" || rc_rest=$?
 "${PYTEST[@]}" -m "engine or store or serial" --durations=15 2>&1 | tee "$logs/engines.log" || rc_engines=$?
 # the two runs' counts in one closing line
@@ -53,5 +57,7 @@ for path in sys.argv[1:]:
         total["errors" if what.startswith("error") else what] += int(n)
 print(f"suite: {total['passed']} passed, {total['failed'] + total['errors']} failed")
 PY
-if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ]; then exit 1; fi
-./scripts/compose-check.sh
+wait "$build" || rc_build=$?
+cat "$logs/compose-build.log"
+if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ] || [ "$rc_build" != 0 ]; then exit 1; fi
+./scripts/compose-check.sh --run

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections import deque
@@ -154,7 +155,8 @@ class Slots:
         self._vtime = [0.0] * _CLASSES
         self._freed: deque[float] = deque(maxlen=_RATE_SAMPLES)
         self._background: deque[float] = deque(maxlen=_RATE_SAMPLES)  # grants to background requests
-        self._booked: dict[str, tuple[float, int]] = {}  # key -> (when its retry may come, priority)
+        # key -> (when its retry may come, its priority, its tenant, the spacing it took)
+        self._booked: dict[str, tuple[float, int, str, float]] = {}
         self._horizon: dict[tuple[str, int], float] = {}  # (tenant, priority) -> next free booking time
         self._recent: dict[str, deque[float]] = {}  # tenant -> its grants lately (bounded per tenant)
 
@@ -180,7 +182,7 @@ class Slots:
         ahead = float(sum(sum(len(q) for q in self._queues[c].values()) for c in range(cls)))
         if within > 0 and self._booked:
             due = self.clock() + within
-            ahead += sum(1 for at, p in self._booked.values() if at <= due and p <= priority)
+            ahead += self._due(due, priority)
         queue = self._queues[cls]
         mine = len(queue.get(tenant, ())) + 1
         total = share + sum(self._shares.get(t, 1.0) for t in queue if t != tenant)
@@ -202,7 +204,7 @@ class Slots:
             if self.used < self.limit and not any(self._queues[c] for c in range(cls + 1)):
                 self._grant(priority, tenant)
                 return
-        elif self.contended() and self._over_share(tenant, share):
+        elif self.contended(timeout) and self._over_share(tenant, share):
             raise _Waiting(self.estimated_wait(priority, tenant, share, timeout) or 0.0, over_share=True)
         elif self.used < self.limit and self.waiting == 0:
             self._grant(priority, tenant)
@@ -288,21 +290,46 @@ class Slots:
         for k in [k for k, h in horizon.items() if h <= now]:
             del horizon[k]  # bounded by the tenants with bookings ahead
         active = share + sum(self._shares.get(t, 1.0) for t, p in horizon if p == priority and t != tenant)
+        spacing = active / (share * rate)
         at = max(now + (wait or 0.0), horizon.get((tenant, priority), now))
-        horizon[(tenant, priority)] = at + active / (share * rate)
+        horizon[(tenant, priority)] = at + spacing
         self._shares[tenant] = share
-        self._booked.pop(key, None)
-        self._booked[key] = (at, priority)
+        if key in self._booked:
+            self._unbook(key, now)
+        self._booked[key] = (at, priority, tenant, spacing)
         self._tell("booked")
         while len(self._booked) > self.max_bookings:
-            del self._booked[next(iter(self._booked))]
+            self._unbook(next(iter(self._booked)), now)
             self._tell("lapsed")
         return at - now
 
     # -- internals -----------------------------------------------------------------------------
-    def contended(self) -> bool:
-        """Requests are waiting, or refused ones are booked to come back."""
-        return self.waiting > 0 or bool(self._booked)
+    def contended(self, within: float) -> bool:
+        """Are requests waiting, or are the free slots no more than the booked retries due
+        within ``within`` s (so a newcomer would take one a booked retry needs)?"""
+        if self.waiting > 0:
+            return True
+        free = self.limit - self.used
+        return bool(self._booked) and self._due(self.clock() + within, 1, stop=free) >= free
+
+    def _due(self, until: float, priority: int, stop: int | None = None) -> int:
+        """Booked retries of ``priority`` or above due by ``until`` and not lapsed (counting
+        stops at ``stop``)."""
+        start = self.clock() - self.grace_s
+        n = 0
+        for at, p, _, _ in self._booked.values():
+            if p <= priority and start <= at <= until:
+                n += 1
+                if stop is not None and n >= stop:
+                    break
+        return n
+
+    def _unbook(self, key: str, now: float) -> None:
+        """Drop ``key``'s booking unused: its tenant's later bookings need not wait for it."""
+        _, priority, tenant, spacing = self._booked.pop(key)
+        h = self._horizon.get((tenant, priority))
+        if h is not None:
+            self._horizon[(tenant, priority)] = max(now, h - spacing)
 
     def _grant(self, priority: int, tenant: str) -> None:
         self.used += 1
@@ -356,20 +383,19 @@ class Slots:
         now = self.clock()
         if now < held[0] - _EARLY_S:
             return False  # came back before it was told to: not the booked retry
-        del self._booked[key]
         if now > held[0] + self.grace_s:
+            self._unbook(key, now)
             self._tell("lapsed")
             return False
+        del self._booked[key]
         return True
 
     def _lapse(self, now: float) -> None:
-        """Drop the bookings whose retry did not come back in time (the oldest first)."""
-        booked = self._booked
-        while booked:
-            key = next(iter(booked))
-            if now <= booked[key][0] + self.grace_s:
-                break
-            del booked[key]
+        """Drop the bookings whose retry did not come back in time, among the oldest 64 (each
+        refusal looks again, so they all go)."""
+        late = [k for k, b in itertools.islice(self._booked.items(), 64) if now > b[0] + self.grace_s]
+        for key in late:
+            self._unbook(key, now)
             self._tell("lapsed")
 
     def _tell(self, outcome: str) -> None:

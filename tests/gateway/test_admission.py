@@ -446,9 +446,21 @@ async def test_the_booking_table_is_bounded_and_bookings_lapse() -> None:
     for i in range(slots.max_bookings + 10):
         slots.book(f"s{i}", "t", 1.0, 0.5)
     assert slots.bookings == slots.max_bookings
-    clock.t += 10_000  # none came back: the next refusal drops them (and, with no slot freed
-    slots.book("late", "t", 1.0, 0.5)  # for so long, no drain rate to book by)
-    assert slots.bookings == 0
+    clock.t += 10_000  # none came back: each refusal drops the oldest 64 of them
+    slots.book("late", "t", 1.0, 0.5)  # (with no slot freed for so long: no rate, no booking)
+    assert slots.bookings == slots.max_bookings - 64
+
+
+async def test_a_lapsed_booking_gives_its_place_back_to_its_tenant() -> None:
+    clock = Clock()
+    adm = make(clock, max_inflight=1, max_queue=0)
+    await drained(adm, clock)  # 2 a second: one tenant alone books every 0.5 s
+    slots = adm.global_slots
+    times = [slots.book(f"s{k}", "t", 1.0, 1.0) for k in range(100)]
+    assert times[0] == 1.0 and times[-1] == pytest.approx(1.0 + 99 * 0.5)  # the last one at +50.5 s
+    clock.t += 20  # the first 28 never came back (5 s late at most): their places are free again
+    assert slots.book("next", "t", 1.0, 1.0) == pytest.approx(1.0 + 100 * 0.5 - 20 - 28 * 0.5)
+    assert slots.bookings == 100 - 28 + 1
 
 
 async def test_a_tenant_over_its_share_is_refused_while_others_are_booked() -> None:
@@ -460,10 +472,15 @@ async def test_a_tenant_over_its_share_is_refused_while_others_are_booked() -> N
             pass
         clock.t += 0.2
     assert adm.global_slots.book("b\0s1", "b", 1.0, 1.0) == pytest.approx(1.0)  # b was refused
-    with pytest.raises(AdmissionRejected) as e:  # a free slot, but a had all of them lately
-        async with adm.admit(a, key="s2"):
+    async with adm.admit(a):  # two free slots, one booked retry due: a takes the other
+        with pytest.raises(AdmissionRejected) as e:  # the last one is the booked retry's
+            async with adm.admit(a, key="s2"):
+                pass
+    assert adm.global_slots.bookings == 2
+    with pytest.raises(AdmissionRejected) as e:  # free slots, but as many retries due, and a
+        async with adm.admit(a, key="s3"):  # had all of them lately
             pass
     assert e.value.code == "gateway_busy" and "more than its share" in e.value.message
-    assert e.value.retry_after_ms is not None and adm.global_slots.bookings == 2
+    assert e.value.retry_after_ms is not None and adm.global_slots.bookings == 3
     async with adm.admit(b):  # b, under its share, is admitted at once
         assert adm.inflight == 1
