@@ -40,7 +40,6 @@ until its TTL: the store holds soft state.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import secrets
@@ -60,6 +59,7 @@ from redis.exceptions import WatchError
 from gateway.core.sessions import Mutation, SessionRecord, SessionTable, namespace_of
 from gateway.errors import Refused
 from gateway.service.metrics import GatewayMetrics
+from gateway.service.tasks import cancel_and_wait
 
 REDIS_MAX_CONNECTIONS = 256
 """Connections to Redis per gateway replica (commands beyond wait for one)."""
@@ -218,6 +218,7 @@ class RedisSessionStore:
         self._reseeding = asyncio.Lock()
         self.reseeds = 0
         self._watch: asyncio.Task[None] | None = None
+        self._closing = False
         self._loss_at: float | None = None
         """When this store last found that Redis had lost its data."""
         """Times Redis was found to have lost its data and the local view was pushed back."""
@@ -310,7 +311,9 @@ class RedisSessionStore:
             self._watch = asyncio.get_running_loop().create_task(self._watch_epoch())
 
     async def _watch_epoch(self) -> None:
-        while True:
+        # the flag ends the loop too: a cancellation can come out as a Redis call's
+        # TimeoutError (an outage here; see cancel_and_wait)
+        while not self._closing:
             await asyncio.sleep(self.retry_s)
             try:
                 if self.degraded:
@@ -325,11 +328,9 @@ class RedisSessionStore:
                 log.exception("session store: epoch watch failed")
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
+        self._closing = True
+        watch, self._watch = self._watch, None
+        await cancel_and_wait(watch)
         await self.redis.aclose()
 
     async def probe(self) -> bool:
@@ -492,7 +493,10 @@ class RedisSessionStore:
                         continue
                     log.warning("session store: update of a session conflicted %d times", self.max_conflicts)
                     raise SessionStoreBusy(
-                        "the session is being updated concurrently; retry", "session_busy", 1, field="session_id"
+                        "the session is being updated concurrently; retry",
+                        "session_busy",
+                        1,
+                        field="session_id",
                     ) from None
         if ns is not None:
             limit = self.quotas.get(namespace_of(session_id, self.quotas))
