@@ -39,7 +39,10 @@ What counts as a violation (exit status 1):
 - a later turn of a session routed as a new session's, except one whose turn before went
   through the SIGKILLed replica: Redis restarts empty while that replica is down, so the
   session's only copies (in Redis and in that replica's local view) are both gone; reported
-  apart (``lost_home_with_replica``).
+  apart (``lost_home_with_replica``); and one routed while Redis was down or restarted empty and
+  not yet refilled (from the restart until every replica is out of degraded mode): the replica
+  that served it routed on its own local view, which need not hold a session another replica
+  served (the store's degraded mode); reported apart (``lost_home_store_down``).
 
     flock /tmp/agentgw-engines.lock python -m benchmarks.chaos --repeats 3
     python -m benchmarks.chaos --engines stand-in --duration 40 --repeats 1   # the CI form
@@ -226,13 +229,17 @@ async def moves_in_flight(http: aiohttp.ClientSession, d: Deployment) -> float:
 
 
 async def recovered(http: aiohttp.ClientSession, d: Deployment, engine: str | None) -> bool:
-    """Every replica ready, and ``engine`` (if given) admitted on every one."""
+    """Every replica ready with its session store out of degraded mode, and ``engine`` (if
+    given) admitted on every one."""
     for r in d.replicas:
         try:
             async with http.get(r.url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 if resp.status != 200:
                     return False
-        except (aiohttp.ClientError, TimeoutError):
+                body = await resp.json(content_type=None)
+                if isinstance(body, dict) and body.get("degraded"):
+                    return False  # its session store still on the local view
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return False
         if engine is not None:
             text = await _metrics(http, r.url)
@@ -485,6 +492,20 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         and upstream == killed_addr
         and when >= replica_kill.at
     )
+    # a home lost while Redis was down or empty and not yet refilled (from its restart until
+    # every replica was ready again, out of degraded mode): the replica that served the turn
+    # had only its own local view, which may not hold a session another replica served before
+    redis_fault = next((f for f in faults if f.fault.startswith("restart redis")), None)
+    lost_store_down = 0
+    if redis_fault is not None:
+        end = redis_fault.recovered or redis_fault.back or redis_fault.at
+        lost_store_down = sum(
+            1
+            for when, kind, upstream in t.events
+            if kind == "lost_home"
+            and redis_fault.at <= when <= end
+            and not (replica_kill is not None and upstream == killed_addr and when >= replica_kill.at)
+        )
     rows = []
     for f in faults:
         stop = (f.recovered or f.back or f.at) + SETTLE_S
@@ -512,8 +533,9 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         "failed_before_start": t.failed_before_start,
         "refused_4xx": t.refused_4xx,
         "side_5xx": t.side_5xx,
-        "lost_home": t.lost_home - lost_with_replica,
+        "lost_home": t.lost_home - lost_with_replica - lost_store_down,
         "lost_home_with_replica": lost_with_replica,
+        "lost_home_store_down": lost_store_down,
         "chain_links": chains.links,
         "chains_broken": chains.broken,
         "chains_lost_with_engine": chains.lost_with_engine,
@@ -561,6 +583,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         "side_5xx",
         "lost_home",
         "lost_home_with_replica",
+        "lost_home_store_down",
         "chain_links",
         "chain_retries",
         "chains_broken",
