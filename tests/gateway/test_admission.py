@@ -46,6 +46,14 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def drained(adm: Admission, clock: Clock) -> None:
+    """8 slots freed over 4 s: the gateway's queue drains 2 a second."""
+    for _ in range(8):
+        async with adm.admit(ANONYMOUS):
+            pass
+        clock.t += 0.5
+
+
 async def test_tenant_concurrency_is_429_with_retry_after() -> None:
     adm = make(max_inflight=10)
     t = Tenant("acme", max_concurrent=1)
@@ -334,10 +342,7 @@ async def test_an_interactive_turn_pushes_a_background_waiter_out_of_a_full_queu
 async def test_retry_after_of_a_capacity_refusal_is_the_estimated_wait() -> None:
     clock = Clock()
     adm = make(clock, max_inflight=1, max_queue=4, queue_timeout_s=30.0, retry_after_s=1)
-    for _ in range(8):  # 8 slots freed over 4 s: the queue drains 2 a second
-        async with adm.admit(ANONYMOUS):
-            pass
-        clock.t += 0.5
+    await drained(adm, clock)
     gate, order = asyncio.Event(), []
     first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
     await settle()
@@ -355,10 +360,7 @@ async def test_retry_after_of_a_capacity_refusal_is_the_estimated_wait() -> None
 async def test_an_estimated_wait_past_the_timeout_is_refused_at_once() -> None:
     clock = Clock()
     adm = make(clock, max_inflight=1, max_queue=10, queue_timeout_s=2.0, retry_after_s=1)
-    for _ in range(8):
-        async with adm.admit(ANONYMOUS):
-            pass
-        clock.t += 0.5
+    await drained(adm, clock)
     gate, order = asyncio.Event(), []
     first = asyncio.create_task(hold(adm, ANONYMOUS, gate, order, "first"))
     await settle()
@@ -375,14 +377,6 @@ async def test_an_estimated_wait_past_the_timeout_is_refused_at_once() -> None:
     assert "estimated wait 2.5 s" in e.value.message and adm.waiting == 4
     gate.set()
     await asyncio.gather(first, *waiters, w4)
-
-
-async def drained(adm: Admission, clock: Clock) -> None:
-    """8 slots freed over 4 s: the gateway's queue drains 2 a second."""
-    for _ in range(8):
-        async with adm.admit(ANONYMOUS):
-            pass
-        clock.t += 0.5
 
 
 async def test_a_refused_turn_retried_at_its_retry_after_is_served_before_the_queue() -> None:
