@@ -8,7 +8,9 @@ one message naming the key (see :func:`load_config`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -18,6 +20,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from gateway.core.planner import PlannerParams
 from gateway.core.router import RoutingParams, with_planner
+
+log = logging.getLogger("agentgw.config")
 
 PoolRole = Literal["first_turn", "warm", "any"]
 RoutingProfile = Literal[
@@ -162,10 +166,8 @@ class RoutingConfig(_Strict):
     """Estimated uncached tokens at or above which a request goes to the first-turn pool."""
     sticky_max_queue: int = Field(_ROUTING.sticky_max_queue, ge=0)
     saturation_max_queue: int = Field(_ROUTING.saturation_max_queue, ge=0)
-    interactivity_tok_s: float = Field(_ROUTING.interactivity_tok_s, ge=0)
-    """Decode speed the ``agentic`` picker protects: a turn leaves its home (or best-scored
-    engine) when its KV there would pass the knee where the ``cost_decode_ms`` step reaches
-    1000 / this ms, for an engine that stays under it (reason ``kv_balance``); 0: off."""
+    interactivity_tok_s: float | None = Field(None, ge=0)
+    """Deprecated: ``slo.tok_s`` (still read, with a warning, when ``slo.tok_s`` is not set)."""
     knee_move_max_s: float = Field(_ROUTING.knee_move_max_s, ge=0)
     """Most TTFT (s, estimated from uncached tokens and queue) a ``kv_balance`` move may add to
     the turn; past it the turn stays home past the knee. 0: any move."""
@@ -237,8 +239,24 @@ class RoutingConfig(_Strict):
     """Per engine: blocks remembered by the prefix index."""
 
     def params(self) -> RoutingParams:
-        """The pure router's parameters (the fields both share)."""
-        return RoutingParams(**_shared(self, RoutingParams))
+        """The pure router's parameters (the fields both share; a deprecated key left unset
+        takes the router's default)."""
+        return RoutingParams(**{k: v for k, v in _shared(self, RoutingParams).items() if v is not None})
+
+
+class SloConfig(_Strict):
+    """The service level placement serves (AgentX's): each turn's time to first token and its
+    decode speed. The decision record predicts both for every routed turn
+    (``predicted_ttft_ms``, ``predicted_tok_s``) and counts the predicted misses
+    (``agentgw_route_predicted_misses_total``)."""
+
+    ttft_ms: float = Field(1000.0, gt=0)
+    """A turn's time to first token should be at most this."""
+    tok_s: float = Field(50.0, ge=0)
+    """A turn should decode at least this fast (tokens/s): the ``agentic`` picker moves a turn
+    whose home's KV would pass the decode knee for this speed (the step of the ``cost_decode_ms``
+    model reaching 1000 / this ms) to an engine that stays under it (reason ``kv_balance``).
+    0: no decode-speed bound (only the fit check at a full cache)."""
 
 
 class SessionsConfig(_Strict):
@@ -454,6 +472,7 @@ class GatewayConfig(BaseSettings):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
     models: list[ModelConfig] = Field(default_factory=list)
+    slo: SloConfig = SloConfig()
     routing: RoutingConfig = RoutingConfig()
     sessions: SessionsConfig = SessionsConfig()
     hints: HintsConfig = HintsConfig()
@@ -464,6 +483,22 @@ class GatewayConfig(BaseSettings):
     server: ServerConfig = ServerConfig()
     drain: DrainConfig = DrainConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @model_validator(mode="after")
+    def _deprecated_keys(self) -> GatewayConfig:
+        if self.routing.interactivity_tok_s is not None:
+            msg = "routing.interactivity_tok_s is deprecated: set slo.tok_s"
+            if "tok_s" in self.slo.model_fields_set:
+                msg += " (slo.tok_s is set and wins)"
+            warnings.warn(msg, DeprecationWarning, stacklevel=2)
+            log.warning(msg)
+        return self
+
+    def slo_tok_s(self) -> float:
+        """The decode-speed bound: ``slo.tok_s``, or the deprecated ``routing.interactivity_tok_s``
+        where only that is set."""
+        old = self.routing.interactivity_tok_s
+        return old if old is not None and "tok_s" not in self.slo.model_fields_set else self.slo.tok_s
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:
@@ -495,7 +530,9 @@ class GatewayConfig(BaseSettings):
         for the planner (:func:`gateway.core.router.with_planner`) where it moves sessions during
         their tool gaps (``migration.enabled`` and an engine with a ``control_url``), for each of
         ``knee_output_tokens`` / ``overflow_wait_tokens`` the configuration does not set."""
-        p = self.routing.params()
+        p = dataclasses.replace(
+            self.routing.params(), interactivity_tok_s=self.slo_tok_s(), slo_ttft_ms=self.slo.ttft_ms
+        )
         if not (self.migration.enabled and any(e.control_url for pl in self.pools for e in pl.engines)):
             return p
         planned, given = with_planner(p), self.routing.model_fields_set

@@ -95,6 +95,24 @@ class RoutingParams:
     wait for room to free there, about half of AgentX's median output. 0: always move."""
     prefill_s_per_token: float = 2e-5
     queue_s_per_request: float = 0.05
+    slo_ttft_ms: float = 1000.0
+    """The SLO's TTFT bound (the decision record's predicted misses; with ``slo_moves``, the
+    bound arrival-time moves are judged by)."""
+    slo_moves: bool = False
+    """Judge an arrival-time ``kv_balance`` move by the SLO (:attr:`StickyBounded.slo_ttft_s`)
+    instead of ``knee_output_tokens``. Off: measured, it does not yet win both the Weka and the
+    AgentX-shaped plays (docs/lab/benchmarks_sim.md, "Arrival moves judged by the SLO")."""
+    slo_miss_budget: float = 0.0
+    """The share of turns the router may send past the TTFT bound on purpose (a ``kv_balance``
+    move whose reload takes longer) to keep decode speed where they would have stayed, counted
+    over the last ``slo_miss_window`` routed turns (:class:`~gateway.core.routing.MissBudget`)."""
+    slo_miss_window: int = 1000
+    slo_miss_reach: float = 1.0
+    """Deliberate misses are made only while at most this share of the window's turns are
+    predicted to decode under ``interactivity_tok_s``: past it the tok/s tail is lost whatever
+    moves, and a TTFT miss buys nothing."""
+    slo_miss_max_x: float = 0.0
+    """A deliberate miss predicted past this multiple of ``slo_ttft_ms`` is not made (0: no cap)."""
     cold_home_no_affinity: bool = True
     """A home judged cold (``rehome_cold``) is re-scored without its ``session_affinity`` bonus."""
     new_session_load: bool = True
@@ -199,6 +217,8 @@ def _agentic(p: RoutingParams) -> Profile:
             knee_output_tokens=p.knee_output_tokens,
             slo_step_ms=1000.0 / p.interactivity_tok_s if p.interactivity_tok_s > 0 else 0.0,
             overflow_wait_tokens=p.overflow_wait_tokens,
+            slo_ttft_s=p.slo_ttft_ms / 1000.0 if p.slo_moves else 0.0,
+            slo_miss_max_x=p.slo_miss_max_x,
         ),
     )
 
@@ -276,6 +296,8 @@ class Router:
             uncached_tokens=req.prompt_tokens - cached,
             candidates=tuple(candidates),
             fallbacks=tuple(c.engine for c in same_pool),
+            predicted_ttft_ms=None if pick.ttft_s is None else round(pick.ttft_s * 1000.0, 3),
+            predicted_tok_s=None if pick.tok_s is None else round(pick.tok_s, 3),
         )
 
     def _explain(self, chosen: Candidate, candidates: Sequence[Candidate]) -> str:

@@ -26,6 +26,7 @@ in-flight counts rely on it); a turn refused before ``on_routed`` writes nothing
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,7 +38,43 @@ from gateway.core.sessions import Mutation, SessionRecord
 from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
 
-__all__ = ["Arrival", "RoutingCore", "Write"]
+__all__ = ["Arrival", "MissBudget", "RoutingCore", "Write"]
+
+#: The reason of an arrival-time move made as a deliberate TTFT miss (spends the budget).
+MISS_REASON = "kv_balance_miss"
+
+
+class MissBudget:
+    """The deliberate TTFT misses among the last ``window`` routed turns: the SLO is a p90, so
+    a few turns may go past the TTFT bound when that keeps many decoding at speed; at most
+    ``share`` of the window do (0: none)."""
+
+    __slots__ = ("_last", "misses", "reach", "share", "slow", "window")
+
+    def __init__(self, share: float, window: int = 1000, reach: float = 1.0) -> None:
+        self.share = share
+        self.window = max(1, window)
+        self.reach = reach
+        self._last: deque[tuple[bool, bool]] = deque(maxlen=self.window)
+        self.misses = 0
+        self.slow = 0
+
+    def ok(self) -> bool:
+        """Room for one more deliberate miss, and the decode-speed bound within reach: at most
+        ``reach`` of the window's turns predicted under it (beyond that the tok/s tail is lost
+        whatever moves, and a TTFT miss buys nothing)."""
+        if self.misses + 1 > self.share * self.window:
+            return False
+        return self.slow <= self.reach * max(1, len(self._last))
+
+    def record(self, miss: bool, slow: bool = False) -> None:
+        if len(self._last) == self.window:
+            old_miss, old_slow = self._last[0]
+            self.misses -= old_miss
+            self.slow -= old_slow
+        self._last.append((miss, slow))
+        self.misses += miss
+        self.slow += slow
 
 
 def _nothing(_: SessionRecord | None) -> None:
@@ -83,6 +120,9 @@ class RoutingCore:
         }
         self.siblings = Siblings()
         self.homes = HomeLedger()
+        p = router.params
+        self.budget = MissBudget(p.slo_miss_budget, p.slo_miss_window, p.slo_miss_reach)
+        """The deliberate TTFT misses of the last routed turns (``Snapshot.slo_miss_ok``)."""
         self.moves = MoveState()
         """The planner's move bounds (moves in flight per engine, recent starts, each session's
         last move): :meth:`plan` starts a move in it, :meth:`move_ended` ends one."""
@@ -125,6 +165,8 @@ class RoutingCore:
             self.views(engines, now),
             self.siblings.view(parent_id),
         )
+        if self.router.params.slo_moves:
+            snap = replace(snap, slo_miss_ok=self.budget.ok())
         live = record if record is not None and not record.ended else None
         return Arrival(turn, index, req, snap, live, parent)
 
@@ -142,6 +184,9 @@ class RoutingCore:
         learns where its prefix went, the parent's fan-out counts one more sibling there; the
         writes give the session its new home and the parent its child."""
         turn = a.turn
+        bound = self.router.params.interactivity_tok_s
+        slow = d.predicted_tok_s is not None and bound > 0 and d.predicted_tok_s < bound
+        self.budget.record(d.reason == MISS_REASON, slow)
         if a.index is IndexKind.APPROX:
             self.indexes[IndexKind.APPROX].apply_stored(d.engine, turn.hashes)
         sid = turn.hints.session_id

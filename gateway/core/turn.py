@@ -198,7 +198,21 @@ def decision_dict(d: Decision) -> dict[str, Any]:
             for c in d.candidates
         ],
         "fallbacks": list(d.fallbacks),
+        "predicted_ttft_ms": d.predicted_ttft_ms,
+        "predicted_tok_s": d.predicted_tok_s,
     }
+
+
+def predicted_misses(d: Decision, ttft_ms: float, tok_s: float) -> tuple[str, ...]:
+    """The SLO bounds the decision is predicted to miss: ``ttft`` (predicted TTFT past
+    ``ttft_ms``) and ``tok_s`` (predicted decode speed under ``tok_s``; 0: no bound). A
+    profile that predicts nothing misses nothing."""
+    out = []
+    if d.predicted_ttft_ms is not None and d.predicted_ttft_ms > ttft_ms:
+        out.append("ttft")
+    if d.predicted_tok_s is not None and tok_s > 0 and d.predicted_tok_s < tok_s:
+        out.append("tok_s")
+    return tuple(out)
 
 
 def place(record: SessionRecord | None, decision: Decision, turn: Turn, now: float) -> SessionRecord:

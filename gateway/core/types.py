@@ -148,6 +148,10 @@ class Snapshot:
     """For a subagent: how much of its parent's last prompt each engine holds."""
     siblings: dict[str, int] = field(default_factory=dict)
     """In-flight requests of the same parent's other subagents, per engine."""
+    slo_miss_ok: bool = True
+    """Whether the fleet's budget of deliberate TTFT misses has room (:class:`~gateway.core.
+    routing.MissBudget`): an arrival-time move whose predicted TTFT is past the SLO may be made
+    to keep the decode speed of the turns where it would stay."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,3 +176,7 @@ class Decision:
     candidates: tuple[Candidate, ...] = ()
     fallbacks: tuple[str, ...] = ()
     """Other engines of the same pool, best first, for a retry after a connection failure."""
+    predicted_ttft_ms: float | None = None
+    """The predicted SLO outcome of the decision (None: the profile predicts none): the turn's
+    TTFT there, and its decode speed (tokens/s)."""
+    predicted_tok_s: float | None = None

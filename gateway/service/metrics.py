@@ -45,6 +45,13 @@ class GatewayMetrics:
             ["profile", "pool", "reason"],
             registry=r,
         )
+        self.predicted_misses = Counter(
+            "agentgw_route_predicted_misses",
+            "Routing decisions predicted to miss an SLO bound (slo.ttft_ms or slo.tok_s), by reason "
+            "and bound (ttft, tok_s)",
+            ["reason", "bound"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "agentgw_client_disconnects",
             "Streams aborted because the client went away",
@@ -216,8 +223,10 @@ class GatewayMetrics:
     def count_request(self, route: str, status: str, pool: str, engine: str) -> None:
         self._child(self.requests, route, status, pool, engine).inc()  # type: ignore[attr-defined]
 
-    def count_decision(self, profile: str, pool: str, reason: str) -> None:
+    def count_decision(self, profile: str, pool: str, reason: str, misses: tuple[str, ...] = ()) -> None:
         self._child(self.decisions, profile, pool, reason).inc()  # type: ignore[attr-defined]
+        for bound in misses:
+            self._child(self.predicted_misses, reason, bound).inc()  # type: ignore[attr-defined]
 
     def count_analysis_skipped(self, reason: str) -> None:
         self._child(self.analysis_skipped, reason).inc()  # type: ignore[attr-defined]

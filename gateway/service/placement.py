@@ -22,7 +22,7 @@ from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router, engine_cost
 from gateway.core.routing import Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
-from gateway.core.turn import IndexKind, Turn, index_for, restarts
+from gateway.core.turn import IndexKind, Turn, index_for, predicted_misses, restarts
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
 from gateway.errors import ModelNotFound, NoCapacity, ResponseNotFound
 from gateway.service.cluster import Cluster
@@ -129,7 +129,9 @@ class Placement:
         if a.owner is not None:
             d = self.core.owner(a.arrival, a.owner)
             if d is None:
-                self.cluster.owner_unavailable(a.owner, "previous_response_id")  # not answering now: a 503 to retry
+                self.cluster.owner_unavailable(
+                    a.owner, "previous_response_id"
+                )  # not answering now: a 503 to retry
                 # its engine is gone (refusing connections, or removed), and the history with it
                 raise ResponseNotFound(a.owner_of or "", "previous_response_id")
             return d
@@ -161,7 +163,10 @@ class Placement:
         went, the session its new home and its prompt's tokens (for a KV prefetch), the parent
         its child, the fan-out its in-flight sibling. The one place a turn writes before it is
         forwarded: analysis and decision only read, so a refused turn leaves all of it as it was."""
-        self.metrics.count_decision(d.profile, d.pool, d.reason)
+        rp = self.core.router.params
+        self.metrics.count_decision(
+            d.profile, d.pool, d.reason, predicted_misses(d, rp.slo_ttft_ms, rp.interactivity_tok_s)
+        )
         sid = a.hints.session_id
         if sid is not None and a.prompt.tokens:
             self.prompts.remember(sid, a.prompt.tokens)

@@ -92,6 +92,17 @@ def run_one(
         routing = replace(routing, knee_output_tokens=0)
     if "ovffree" in flags:  # the kv_overflow move as first built: not priced
         routing = replace(routing, overflow_wait_tokens=0)
+    slo = [f for f in flags if f.startswith("slo")]
+    if slo:  # judge the arrival-time knee move by the SLO; +sloN: a budget of N per mille
+        spec, _, reach = slo[0][3:].partition("r")
+        budget, _, cap = spec.partition("x")
+        routing = replace(
+            routing,
+            slo_moves=True,
+            slo_miss_budget=int(budget or 0) / 1000.0,
+            slo_miss_max_x=float(cap or 0),
+            slo_miss_reach=int(reach) / 100.0 if reach else 1.0,
+        )
     if "noaff" in flags:
         routing = replace(routing, cold_home_no_affinity=False)
     if "nospread" in flags:

@@ -37,6 +37,10 @@ class Scorer(Protocol):
 class Pick:
     candidate: Candidate
     reason: str
+    ttft_s: float | None = None
+    """The picker's predicted TTFT of the turn on the chosen engine (None: it predicts none)."""
+    tok_s: float | None = None
+    """The picker's predicted decode speed of the turn there (tokens/s)."""
 
 
 class Picker(Protocol):

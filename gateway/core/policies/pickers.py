@@ -60,7 +60,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.core.policies.base import Pick, stable_hash
 from gateway.core.policies.cost import EngineCost
@@ -141,8 +141,15 @@ class StickyBounded:
     overflow_wait_tokens: int = 0
     """A ``kv_overflow`` move is made only when its reload takes less than this many decode
     steps at home (0: always)."""
-    """The decode step of the interactivity target (1000 / tok/s): only decode time beyond it
-    counts as saved."""
+    slo_ttft_s: float = 0.0
+    """The TTFT bound of the SLO. When set, a ``kv_balance`` move is judged by the SLO instead of
+    ``knee_output_tokens``: one whose predicted TTFT at the target (its queue, the context it
+    lacks reloaded or recomputed) meets the bound costs the turn nothing against it and is made;
+    one past the bound is a deliberate TTFT miss, made only while the fleet's budget of such
+    misses has room (``Snapshot.slo_miss_ok``), reason ``kv_balance_miss``."""
+    slo_miss_max_x: float = 0.0
+    """A deliberate miss predicted past this multiple of the TTFT bound is not made (0: no cap):
+    a turn reloading a long context at arrival would set the TTFT tail."""
     name: str = "sticky_bounded"
 
     def _cost(self, req: RouteRequest, snap: Snapshot, engine: str) -> float:
@@ -181,6 +188,35 @@ class StickyBounded:
         reload_s = cost.move_s(extra) if cost.move_bytes_per_s > 0 else cost.prefill_s(extra)
         wait_s = wait_tokens * cost.decode_step_ms(min(1.0, here.kv_share(max(1, req.block_size)))) / 1000.0
         return reload_s < wait_s
+
+    def move_ttft_s(self, req: RouteRequest, snap: Snapshot, view: EngineView, stay: str) -> float:
+        """The predicted TTFT of the turn on ``view``'s engine: the prefill backlog ahead of it,
+        the context ``stay`` holds and it lacks (reloaded at ``move_bytes_per_s`` or recomputed,
+        whichever is faster), and the rest of its uncached prompt prefilled."""
+        cost = self.cost
+        if cost is None:
+            return 0.0
+        go_cached = _cached_tokens(req, snap, view.name)
+        extra = max(0, _cached_tokens(req, snap, stay) - go_cached)
+        rest = max(0, req.prompt_tokens - go_cached - extra)
+        reload_s = cost.prefill_s(extra)
+        if cost.move_bytes_per_s > 0 and extra > 0:
+            reload_s = min(reload_s, cost.move_s(extra))
+        return cost.wait_s(view) + reload_s + cost.prefill_s(rest)
+
+    def _verdict(
+        self, req: RouteRequest, snap: Snapshot, views: dict[str, EngineView], stay: str, go: str
+    ) -> str | None:
+        """``kv_balance`` (the move is made), ``kv_balance_miss`` (made as a deliberate TTFT
+        miss) or None (not made)."""
+        if self.slo_ttft_s <= 0 or self.cost is None:
+            return "kv_balance" if self._pays(req, snap, views, stay, go) else None
+        ttft = self.move_ttft_s(req, snap, views[go], stay)
+        if ttft <= self.slo_ttft_s:
+            return "kv_balance"
+        if self.slo_miss_max_x > 0 and ttft > self.slo_miss_max_x * self.slo_ttft_s:
+            return None
+        return "kv_balance_miss" if snap.slo_miss_ok else None
 
     def _pays(
         self, req: RouteRequest, snap: Snapshot, views: dict[str, EngineView], stay: str, go: str
@@ -223,24 +259,27 @@ class StickyBounded:
         if self.decode_kv_high >= self.kv_high or _fits(views[natural.engine], req, self.decode_kv_high):
             return None
         stay = self._cost(req, snap, natural.engine)
-        room = [
-            c
+        verdicts = {
+            c.engine: self._verdict(req, snap, views, natural.engine, c.engine)
             for c in candidates
             if _fits(views[c.engine], req, self.decode_kv_high)
             and self._cost(req, snap, c.engine) - stay <= self.move_max_s
-            and self._pays(req, snap, views, natural.engine, c.engine)
-        ]
+        }
+        room = [c for c in candidates if verdicts.get(c.engine) is not None]
         if not room:
             return None
         target = min(
             room,
             key=lambda c: (
+                verdicts[c.engine] != "kv_balance",  # a move that meets the TTFT bound first
                 views[c.engine].kv_share(req.block_size),
                 self._cost(req, snap, c.engine),
                 -c.total,
             ),
         )
-        return Pick(target, "kv_balance")
+        reason = verdicts[target.engine]
+        assert reason is not None
+        return Pick(target, reason)
 
     def _rescore_cold(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Candidate:
         """The best total once the cold home's ``session_affinity`` bonus is taken out (with it,
@@ -280,6 +319,21 @@ class StickyBounded:
         return None
 
     def pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
+        p = self._pick(req, snap, candidates)
+        cost = self.cost
+        if cost is None:
+            return p
+        view = next(e for e in snap.engines if e.name == p.candidate.engine)
+        home = snap.session.home if snap.session else None
+        stay = home if home is not None and any(e.name == home for e in snap.engines) else view.name
+        bs = max(1, req.block_size)
+        u = view.kv_share(bs) + (
+            -(-req.prompt_tokens // bs) / view.capacity_blocks if view.capacity_blocks > 0 else 0.0
+        )
+        tok_s = 1000.0 / cost.decode_step_ms(min(1.0, u), max(1, view.decoding + 1))
+        return replace(p, ttft_s=self.move_ttft_s(req, snap, view, stay), tok_s=tok_s)
+
+    def _pick(self, req: RouteRequest, snap: Snapshot, candidates: Sequence[Candidate]) -> Pick:
         home = snap.session.home if snap.session else None
         by_name = {c.engine: c for c in candidates}
         if home is not None and home in by_name:
