@@ -14,6 +14,10 @@ Prints one table per configuration (workers x lanes x arrival speed-up) next to 
 figures for Dynamo, and writes ``ttft_cdf.png``, ``tpgs_vs_concurrency.png`` and
 ``results.json`` to ``--out`` (default ``benchmarks/out``).
 
+``default`` and ``default-stock`` are what ``agentgw serve`` runs (``gateway.sim.runs.SERVED``):
+its configuration's router parameters (``GatewayConfig.router_params()`` with the engine model's
+cost fit in ``routing.cost_*``) for engines with engine_ext's control API (host tier, store,
+planner) and for stock vLLM engines (vLLM's CPU offload as a host tier; ``+nooffload``: none).
 Policies: ``round_robin``, ``least_loaded``, ``session_hash``, ``cache_aware`` (SGLang router
 style, approximate index fed by routing decisions), ``precise_prefix`` (llm-d style, index fed
 by KV events), ``agentic`` (ours, no hints) and ``agentic+hints`` (session id, parent id for

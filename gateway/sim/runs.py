@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from gateway.config import load_config
 from gateway.core.planner import PlannerParams
 from gateway.core.roles import RoleParams
 from gateway.core.router import RoutingParams, engine_cost, with_planner
@@ -31,6 +32,7 @@ __all__ = [
     "meets_slo",
     "routing_for",
     "run_one",
+    "served_routing",
     "shared_path",
 ]
 
@@ -42,6 +44,41 @@ HOME_LOAD_WEIGHT = 5.0
 
 LAST_SIMS: dict[str, Simulator] = {}
 """The last run of each policy (for the moved-session report)."""
+
+SERVED = {"default": True, "default-stock": False}
+"""What ``agentgw serve`` runs, by the engines it routes to: ``default`` on engines with
+engine_ext's control API (host tier, Mooncake store, the planner's moves and pins),
+``default-stock`` on stock vLLM engines (vLLM's own CPU offload: a host tier, no store, no
+control API; ``+nooffload``: none, what is not on the device is recomputed). Both route with
+hints (as clients send them) and :func:`served_routing`'s parameters."""
+
+#: The routing keys a deployment fits to its engines (the rest keep the gateway's defaults).
+COST_KEYS = (
+    "cost_prefill_ms",
+    "cost_chunk_tokens",
+    "cost_decode_ms",
+    "cost_decode_seq_ms",
+    "cost_decode_kv_ms_per_mtok",
+    "cost_kv_capacity_tokens",
+    "kv_bytes_per_token",
+    "move_bytes_per_s",
+)
+
+
+def served_routing(eng: EngineConfig, tiers: TiersConfig | None, control_api: bool) -> RoutingParams:
+    """The router's parameters of ``agentgw serve`` on these engines: the gateway's own
+    configuration at its defaults, with the engine model's cost fit in ``routing.cost_*`` (what a
+    deployment writes there) and one pool whose engine has a ``control_url`` or not, through
+    :meth:`~gateway.config.GatewayConfig.router_params`."""
+    fit = routing_for(eng, "agentic", "cost", tiers)
+    engine = {
+        "name": "e0",
+        "url": "http://127.0.0.1:1",
+        "model": "m",
+        "control_url": "http://127.0.0.1:2" if control_api else None,
+    }
+    routing = {k: getattr(fit, k) for k in COST_KEYS}
+    return load_config(None, pools=[{"name": "p", "engines": [engine]}], routing=routing).router_params()
 
 
 def run_one(
@@ -63,6 +100,13 @@ def run_one(
     planner_overrides: dict[str, float] | None = None,
 ) -> tuple[RunMetrics, list[float]]:
     profile, *flags = policy.split("+")
+    served = profile in SERVED
+    if served:
+        control_api = SERVED[profile]
+        profile = "agentic"
+        flags = ["hints", *(["planner"] if control_api else []), *flags]
+        if not control_api:
+            tiers = None if "nooffload" in flags else replace(tiers or TiersConfig(), store=False)
     eng = ENGINES[engine]()
     if engine_flags:
         eng = eng.with_(**engine_flags)
@@ -75,8 +119,11 @@ def run_one(
         tiers = replace(tiers, kv_bytes_per_token=kvb)
     elif tiers is not None and eng.kv_bytes_per_token:
         tiers = replace(tiers, kv_bytes_per_token=eng.kv_bytes_per_token)
-    routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
-    if "planner" in flags:  # as the gateway routes where it runs the planner
+    if served:
+        routing = served_routing(eng, tiers, control_api)
+    else:
+        routing = routing_for(eng, profile, "wall" if "wall" in flags else "cost", tiers)
+    if "planner" in flags and not served:  # as the gateway routes where it runs the planner
         routing = with_planner(routing)
     home_load = HOME_LOAD_WEIGHT if "bal" in flags else 0.0
     routing = replace(routing, weights={**routing.weights, "home_load": home_load})

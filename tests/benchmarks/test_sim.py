@@ -454,3 +454,52 @@ def test_planner_policies_route_as_the_gateway_does_where_it_runs_the_planner():
         run_one(plays, ideal, policy, 2, 2, 1.0, "dynamo-mocker")
         r = LAST_SIMS.pop(policy).cfg.routing
         assert (r.knee_output_tokens, r.overflow_wait_tokens) == want, policy
+
+
+@pytest.mark.parametrize("engine", ["dynamo-mocker", "h200-qwen3-32b-fp8-aic"])
+def test_the_default_policies_route_with_what_agentgw_serve_runs(engine):
+    """``default`` and ``default-stock`` route with exactly the parameters ``agentgw serve``
+    computes from its configuration for a pool with and without a ``control_url``, the engine
+    model's cost fit written in ``routing.cost_*`` as a deployment writes it; and each runs with
+    the tiers its engines have (a host tier and the store; vLLM's CPU offload alone; none)."""
+    from gateway.config import GatewayConfig
+    from gateway.sim.calibration import ENGINES
+    from gateway.sim.metrics import ideal_hits_by_request
+    from gateway.sim.runs import LAST_SIMS, run_one
+
+    perf = ENGINES[engine]().perf
+    eng = ENGINES[engine]()
+    cap = eng.long_prefill_token_threshold
+    fit = {
+        "cost_prefill_ms": (perf.p0, perf.p1, perf.p2),
+        "cost_chunk_tokens": min(eng.max_batched_tokens, cap) if cap > 0 else eng.max_batched_tokens,
+        "cost_decode_ms": (perf.d0, perf.d1, perf.d2),
+        "cost_decode_seq_ms": perf.d_seq,
+        "cost_decode_kv_ms_per_mtok": perf.d_kv,
+        "cost_kv_capacity_tokens": eng.num_blocks * eng.block_size if perf.d_kv else 0,
+        "kv_bytes_per_token": eng.kv_bytes_per_token or 131_072,
+    }
+
+    def served(control_url: str | None) -> object:
+        pool = {
+            "name": "p",
+            "engines": [{"name": "e", "url": "http://e:1", "model": "m", "control_url": control_url}],
+        }
+        return GatewayConfig.model_validate({"pools": [pool], "routing": fit}).router_params()
+
+    plays = synth_agentx(2, seed=1)
+    ideal = ideal_hits_by_request(plays)
+    for policy, want, store, host in (
+        ("default", served("http://e:2"), True, True),
+        ("default-stock", served(None), False, True),
+        ("default-stock+nooffload", served(None), False, False),
+    ):
+        run_one(plays, ideal, policy, 2, 2, 1.0, engine)
+        sim = LAST_SIMS.pop(policy)
+        assert sim.cfg.routing == want, policy
+        tiers = sim.cfg.tiers
+        assert (tiers is not None and tiers.store, tiers is not None and tiers.host_blocks > 0) == (
+            store,
+            host,
+        )
+        assert sim.cfg.hints and (sim.planner is not None) == (policy == "default"), policy
