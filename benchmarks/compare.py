@@ -44,8 +44,8 @@ move not priced), ``+nopins`` (no device soft pins), ``+nodemote`` (no demotion 
 ``+noaff`` (a cold home keeps its affinity bonus), ``+sloN[xC][rR]`` (the arrival-time knee move
 judged by the SLO, ``RoutingParams.slo_moves``: a move predicted within the 1 s TTFT bound is
 made, one past it only as a deliberate miss within a budget of ``N`` per mille of the last 1,000
-turns, none predicted past ``C`` times the bound, and none while more than ``R`` % of them are
-predicted under the tok/s bound), ``+nospread`` (a new session follows the
+turns, none predicted past ``C`` times the bound, and none while more than ``R`` % of the last
+1,000 finished turns decoded under the tok/s bound), ``+nospread`` (a new session follows the
 shared prefix whatever the queue); ``+nolat`` withholds the tool-latency hint (the gateway
 predicts each gap from the session's observed gaps). ``--seeds 1,2,3`` (synthetic plays) runs
 every configuration and policy on each seed's plays and prints the median of each column, with

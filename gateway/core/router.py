@@ -108,9 +108,9 @@ class RoutingParams:
     over the last ``slo_miss_window`` routed turns (:class:`~gateway.core.routing.MissBudget`)."""
     slo_miss_window: int = 1000
     slo_miss_reach: float = 1.0
-    """Deliberate misses are made only while at most this share of the window's turns are
-    predicted to decode under ``interactivity_tok_s``: past it the tok/s tail is lost whatever
-    moves, and a TTFT miss buys nothing."""
+    """Deliberate misses are made only while at most this share of the last finished turns
+    decoded under ``interactivity_tok_s`` (:meth:`~gateway.core.routing.RoutingCore.observe`):
+    past it the tok/s tail is lost whatever moves, and a TTFT miss buys nothing."""
     slo_miss_max_x: float = 0.0
     """A deliberate miss predicted past this multiple of ``slo_ttft_ms`` is not made (0: no cap)."""
     cold_home_no_affinity: bool = True

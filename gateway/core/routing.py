@@ -47,33 +47,39 @@ MISS_REASON = "kv_balance_miss"
 class MissBudget:
     """The deliberate TTFT misses among the last ``window`` routed turns: the SLO is a p90, so
     a few turns may go past the TTFT bound when that keeps many decoding at speed; at most
-    ``share`` of the window do (0: none)."""
+    ``share`` of the window do (0: none). And the decode speeds observed over the last
+    ``window`` finished turns: while more than ``reach`` of them decoded under the tok/s bound,
+    the bound is out of reach (its p90 is lost whatever moves) and no miss is spent on it."""
 
-    __slots__ = ("_last", "misses", "reach", "share", "slow", "window")
+    __slots__ = ("_last", "_seen", "misses", "reach", "share", "slow", "window")
 
     def __init__(self, share: float, window: int = 1000, reach: float = 1.0) -> None:
         self.share = share
         self.window = max(1, window)
         self.reach = reach
-        self._last: deque[tuple[bool, bool]] = deque(maxlen=self.window)
+        self._last: deque[bool] = deque(maxlen=self.window)
+        self._seen: deque[bool] = deque(maxlen=self.window)
         self.misses = 0
         self.slow = 0
 
     def ok(self) -> bool:
-        """Room for one more deliberate miss, and the decode-speed bound within reach: at most
-        ``reach`` of the window's turns predicted under it (beyond that the tok/s tail is lost
-        whatever moves, and a TTFT miss buys nothing)."""
+        """Room for one more deliberate miss, and the decode-speed bound within reach."""
         if self.misses + 1 > self.share * self.window:
             return False
-        return self.slow <= self.reach * max(1, len(self._last))
+        return self.slow <= self.reach * max(1, len(self._seen))
 
-    def record(self, miss: bool, slow: bool = False) -> None:
-        if len(self._last) == self.window:
-            old_miss, old_slow = self._last[0]
-            self.misses -= old_miss
-            self.slow -= old_slow
-        self._last.append((miss, slow))
+    def record(self, miss: bool) -> None:
+        """A routed turn: ``miss`` when it was sent past the TTFT bound on purpose."""
+        if len(self._last) == self.window and self._last[0]:
+            self.misses -= 1
+        self._last.append(miss)
         self.misses += miss
+
+    def observe(self, slow: bool) -> None:
+        """A finished turn: ``slow`` when it decoded under the tok/s bound."""
+        if len(self._seen) == self.window and self._seen[0]:
+            self.slow -= 1
+        self._seen.append(slow)
         self.slow += slow
 
 
@@ -184,9 +190,7 @@ class RoutingCore:
         learns where its prefix went, the parent's fan-out counts one more sibling there; the
         writes give the session its new home and the parent its child."""
         turn = a.turn
-        bound = self.router.params.interactivity_tok_s
-        slow = d.predicted_tok_s is not None and bound > 0 and d.predicted_tok_s < bound
-        self.budget.record(d.reason == MISS_REASON, slow)
+        self.budget.record(d.reason == MISS_REASON)
         if a.index is IndexKind.APPROX:
             self.indexes[IndexKind.APPROX].apply_stored(d.engine, turn.hashes)
         sid = turn.hints.session_id
@@ -228,6 +232,12 @@ class RoutingCore:
                 homes.settled(sid, rec.home or d.engine, rec.context_tokens, now)
 
         return [Write(sid, lambda r: steps.settle(r, d.engine, served_on, ok, now, turn), settled)]
+
+    def observe(self, tok_s: float) -> None:
+        """A finished turn decoded at ``tok_s`` (its output tokens after the first over the time
+        from the first to the last): what the miss budget reads of the decode-speed bound."""
+        bound = self.router.params.interactivity_tok_s
+        self.budget.observe(bound > 0 and tok_s < bound)
 
     def on_ended(self, session_id: str) -> None:
         """The session is over: it is homed nowhere."""

@@ -454,6 +454,8 @@ class Simulator:
         )
         self.records.append(rec)
         self._write(self.core.on_finished(live.arrival, live.decision, name, True, now), now)
+        if s.max_out > 1 and s.t_last > s.t_first:
+            self.core.observe((s.max_out - 1) / (s.t_last - s.t_first))
         if self.planner is not None:
             self.planner.after_turn(self, rec)
         self._trigger(st, r.idx, "completion", now)

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.core.router import Router, RoutingParams
-from gateway.core.routing import MissBudget
+from gateway.core.routing import MissBudget, RoutingCore
 from gateway.core.turn import decision_dict, predicted_misses
 from gateway.core.types import (
     Decision,
@@ -122,15 +122,23 @@ def test_the_miss_budget_counts_a_sliding_window() -> None:
 
 
 def test_the_miss_budget_waits_while_the_speed_bound_is_out_of_reach() -> None:
+    """More than ``reach`` of the last finished turns decoded under the tok/s bound: its p90 is
+    lost whatever moves, so no TTFT miss is spent on it."""
     b = MissBudget(share=0.5, window=10, reach=0.2)
     for slow in (True, True, False, False, False, False, False, False, False, False):
-        b.record(False, slow)
-    assert b.ok()  # 2 of 10 predicted slow: within reach
-    b.record(False, True)  # a slow one leaves, a slow one comes: still 2 of 10
-    b.record(False, True)
+        b.observe(slow)
+    assert b.ok()  # 2 of 10 decoded slow: within reach
+    b.observe(True)  # a slow one leaves, a slow one comes: still 2 of 10
+    b.observe(True)
     assert b.ok()
-    b.record(False, True)  # a fast one leaves
+    b.observe(True)  # a fast one leaves
     assert not b.ok()  # 3 of 10
+    core = RoutingCore(Router(replace(SLO, slo_miss_budget=0.5, slo_miss_reach=0.0)), 1000)
+    assert core.budget.ok()
+    core.observe(60.0)  # at 50 tok/s or more: not slow
+    assert core.budget.ok()
+    core.observe(40.0)
+    assert not core.budget.ok()
 
 
 def test_slo_config_and_the_deprecated_key() -> None:
