@@ -17,7 +17,9 @@ Engines (``--engines``): ``real`` (default) starts ``agentgw serve``'s own stack
 the control API, so the replicas pin sessions through their tool gaps and the planner moves
 them); ``stand-in`` uses testing/fake_engine.py (no control API: no pins and no moves; Mooncake
 still runs and is restarted, but nothing uses it). Run the real form under
-``flock /tmp/agentgw-engines.lock``.
+``flock /tmp/agentgw-engines.lock``. The real form sets ``sessions.redis_timeout_s`` to 2 s: with
+three CPU engines on a 2-core machine the load average nears 20, and Redis, though up, answers
+past the 0.5 s default, which sends every replica into degraded mode with no fault injected.
 
 Reported per fault: when it hit, when the part was back, the time to recover (every replica
 ``/ready`` and, for an engine, admitted again on every replica), and the requests that did not end
@@ -180,6 +182,10 @@ def deploy(kind: str, work: Path, replicas: int) -> Deployment:
         "backend": "redis",
         "redis_url": redis.url,
         "redis_retry_s": 0.5,
+        # three CPU engines on a 2-core machine hold the load average near 20: Redis, though up,
+        # then answers past the 0.5 s default and every replica goes degraded with no fault
+        # injected; the real form gives it what such a host needs
+        **({"redis_timeout_s": 2.0} if kind == "real" else {}),
     }
     config["timeouts"] = {"health_interval_s": 0.5, "metrics_interval_s": 0.5, "health_timeout_s": 1}
     config["drain"] = {"deadline_s": 5}
