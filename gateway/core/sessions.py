@@ -49,6 +49,10 @@ class SessionRecord:
     first_hash: int | None = None
     """The last prompt's first block hash (``prefix_hashes`` keeps only the last MAX_HASHES):
     a turn that does not start with it shares no prefix with the last one."""
+    hashes_exact: bool | None = None
+    """Whether ``prefix_hashes`` and ``first_hash`` are exact (None: a record written before the
+    kind was kept). A turn whose analysis fell back to approximate hashes leaves exact ones in
+    place: the index, the planner and the restart check read them as exact."""
 
     def add_child(self, child: str) -> None:
         if child not in self.children:
@@ -75,21 +79,25 @@ class SessionRecord:
             "last_decision": self.last_decision,
             "model": self.model,
             "first_hash": self.first_hash,
+            "hashes_exact": self.hashes_exact,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SessionRecord:
         return cls(**{k: d[k] for k in cls.__slots__ if k in d})
 
-    def record_turn(self, now: float, context_tokens: int, hashes: list[int]) -> None:
+    def record_turn(self, now: float, context_tokens: int, hashes: list[int], exact: bool = True) -> None:
         if self.turns and self.last_activity:
             self.observed_gaps.append(max(0.0, now - self.last_activity))
             del self.observed_gaps[:-16]
         self.turns += 1
         self.last_activity = now
         self.context_tokens = context_tokens
+        if self.hashes_exact and not exact:
+            return  # an approximate turn does not replace the exact hashes
         self.prefix_hashes = hashes[-MAX_HASHES:] if len(hashes) > MAX_HASHES else list(hashes)
         self.first_hash = hashes[0] if hashes else None
+        self.hashes_exact = exact
 
     def expected_gap(self) -> float | None:
         """The hinted gap, else the median observed gap, else None."""

@@ -108,6 +108,9 @@ class Turn:
     hashes: Sequence[int]
     """The prompt's block hashes (exact or approximate, see :func:`index_for`)."""
     seq: int = 0
+    exact: bool = True
+    """Whether ``hashes`` are exact (the model's tokens) or approximate (its text: the analysis
+    fell back, e.g. it could not finish in time under load). The two kinds never compare."""
 
 
 def restarts(record: SessionRecord | None, turn: Turn) -> bool:
@@ -119,6 +122,8 @@ def restarts(record: SessionRecord | None, turn: Turn) -> bool:
         return False
     if record.model is not None and record.model != turn.model:
         return False  # another model's hashes are not comparable
+    if record.hashes_exact is not None and record.hashes_exact != turn.exact:
+        return False  # exact against approximate hashes: equal prompts would differ
     first = record.first_hash
     if first is None and 0 < len(record.prefix_hashes) < MAX_HASHES:
         first = record.prefix_hashes[0]  # a record written before first_hash, not truncated
@@ -257,7 +262,7 @@ def settle(
     if served_on is not None and served_on != planned and record.home == planned:
         record.home = served_on
     if ok:
-        record.record_turn(now, turn.prompt_tokens, list(turn.hashes))
+        record.record_turn(now, turn.prompt_tokens, list(turn.hashes), turn.exact)
     return record
 
 

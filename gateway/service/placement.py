@@ -148,9 +148,10 @@ class Placement:
 
     def session_matches(self, rec: SessionRecord, model: str | None = None) -> dict[str, PrefixMatch]:
         """Where the session's last prompt is cached. Its hashes are exact when its model has a
-        tokenizer (and KV events feed the precise index), else approximate."""
+        tokenizer (and KV events feed the precise index) and its turns were analysed exactly,
+        else approximate."""
         model = model or rec.model
-        exact = model is not None and self.prompts.exact_for(model)
+        exact = model is not None and self.prompts.exact_for(model) and rec.hashes_exact is not False
         return self.core.matches(index_for(exact, self.prompts.kv_events), rec.prefix_hashes)
 
     # -- writing -------------------------------------------------------------------------------

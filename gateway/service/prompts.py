@@ -186,7 +186,7 @@ class Prompts:
         seq = self._seq
         if not dry_run:
             self._seq += 1
-        turn = Turn(parsed.model, n_tokens, block_size, hints, hashes, seq)
+        turn = Turn(parsed.model, n_tokens, block_size, hints, hashes, seq, exact)
         tokens = info.tokens if info is not None and keep else ()
         return PromptRead(turn, index_for(exact, self.kv_events), exact, warning, tokens)
 

@@ -81,3 +81,29 @@ def test_the_first_hash_round_trips() -> None:
         SessionRecord.from_dict({k: v for k, v in r.to_dict().items() if k != "first_hash"}).first_hash
         is None
     )
+
+
+def test_a_turn_hashed_approximately_neither_restarts_nor_overwrites_an_exact_session() -> None:
+    """Under load the prompt analysis may not finish in time and the turn is hashed over its
+    text instead (approximate hashes): those never equal the exact ones of the same prompt, so
+    comparing them would restart the session (its home lost, routed as a new session's), and
+    writing them would leave the next exact turn nothing to compare with."""
+    rec = record([1, 2, 3])
+    rec.hashes_exact = True
+    approx = Turn(M, 64 * 3 + 10, 64, AgentHints(session_id="s"), [701, 702, 703], exact=False)
+    assert not restarts(rec, approx)
+    _, snap = prepare(approx, rec, None, {}, {}, ENGINES, {})
+    assert snap.session is not None and snap.session.home == "e1"
+    d = Decision("e1", "p", "sticky", "agentic", 0, approx.prompt_tokens)
+    after = settle(place(rec, d, approx, 10.0), "e1", "e1", True, 11.0, approx)
+    assert after is not None and after.turns == 4
+    assert (after.first_hash, after.prefix_hashes, after.hashes_exact) == (1, [1, 2, 3], True)
+    assert restarts(after, turn([7, 8, 9]))  # an exact unrelated prompt still restarts it
+    assert not restarts(after, turn([1, 2, 3, 4]))
+    # a session analysed approximately so far takes the first exact hashes
+    loose = SessionRecord("t", home="e0", pool="p")
+    loose.record_turn(1.0, 100, [701, 702], exact=False)
+    assert not restarts(loose, turn([1, 2]))
+    loose.record_turn(2.0, 130, [1, 2], exact=True)
+    assert (loose.first_hash, loose.hashes_exact) == (1, True)
+    assert SessionRecord.from_dict(loose.to_dict()).hashes_exact is True
