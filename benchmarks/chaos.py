@@ -375,7 +375,7 @@ async def chain(
     """Responses chains, one after another: each link continues the last by ``previous_response_id``."""
     n = 0
     while time.monotonic() < end:
-        prev: tuple[str, str, float] | None = None  # (id, engine, when)
+        prev: tuple[str, str, float] | None = None  # (id, engine, when its request was sent)
         n += 1
         for k in range(4):
             if time.monotonic() >= end:
@@ -394,6 +394,7 @@ async def chain(
                 # as the OpenAI SDK does: a connection error, a 429 or a 5xx is retried (after
                 # its Retry-After when it gives one)
                 wait = 1.0
+                sent = time.monotonic()
                 try:
                     async with c.http.post(c.url + "/v1/responses", json=body) as r:
                         status = r.status
@@ -413,9 +414,11 @@ async def chain(
                 await asyncio.sleep(wait)
             if got:
                 ch.ok += 1
-                prev = (got, engine, time.monotonic())
+                prev = (got, engine, sent)
             else:
-                # the engine that held the previous response was killed after it answered
+                # the engine that held the previous response was killed after its request was
+                # sent: the response was stored in that engine's memory, gone with it (on a
+                # loaded machine the client may read the answer only after the kill)
                 if prev is not None and killed_at.get(prev[1], -1.0) >= prev[2]:
                     ch.lost_with_engine += 1
                     t.event("chain_lost_with_engine")
