@@ -39,3 +39,12 @@ def test_the_history_pattern_finds_what_it_is_for() -> None:
         assert HISTORY.search(text), text
     for text in ("`1073741824`", "`33554432`", "sha256_cbor", "a session's next turn"):
         assert not HISTORY.search(text), text
+
+
+def test_the_benchmark_pages_stay_short() -> None:
+    """The user-facing benchmark pages say what runs, the command and the current figures, in
+    under 800 lines together; the history of every figure is in docs/lab/."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    pages = [docs / "benchmarks.md", docs / "benchmarks_live.md", docs / "benchmarks_sim.md"]
+    total = sum(len(p.read_text().splitlines()) for p in pages)
+    assert total < 800, total
