@@ -37,7 +37,10 @@ What counts as a violation (exit status 1):
   incomplete chunked body). Those are reported apart (``cut_by_replica_kill``);
 - a Responses chain that could not continue while the engine holding its last response was up
   (vLLM keeps a stored response in the memory of the engine that made it: a chain whose engine
-  was SIGKILLed is reported apart, ``chains_lost_with_engine``);
+  was SIGKILLed is reported apart, ``chains_lost_with_engine``; and one whose last response
+  went through the SIGKILLed replica, broken after the kill: Redis restarts empty while that
+  replica is down, so the record of the response's engine had its only copies there, as a
+  session's home; reported apart, ``chains_lost_with_replica``);
 - a later turn of a session routed as a new session's, except one whose turn before went
   through the SIGKILLed replica: Redis restarts empty while that replica is down, so the
   session's only copies (in Redis and in that replica's local view) are both gone; reported
@@ -375,7 +378,8 @@ async def chain(
     """Responses chains, one after another: each link continues the last by ``previous_response_id``."""
     n = 0
     while time.monotonic() < end:
-        prev: tuple[str, str, float] | None = None  # (id, engine, when its request was sent)
+        # (id, engine, when its request was sent, the replica that answered it)
+        prev: tuple[str, str, float, str] | None = None
         n += 1
         for k in range(4):
             if time.monotonic() >= end:
@@ -389,7 +393,7 @@ async def chain(
             if prev is not None:
                 body["previous_response_id"] = prev[0]
             ch.links += 1
-            status, got, engine = 0, None, ""
+            status, got, engine, upstream = 0, None, "", ""
             for attempt in range(RETRIES + 1):
                 # as the OpenAI SDK does: a connection error, a 429 or a 5xx is retried (after
                 # its Retry-After when it gives one)
@@ -399,6 +403,7 @@ async def chain(
                     async with c.http.post(c.url + "/v1/responses", json=body) as r:
                         status = r.status
                         engine = r.headers.get("x-agentgw-engine", "")
+                        upstream = r.headers.get("x-upstream-addr", "").rsplit(", ", 1)[-1]
                         raw = await r.read()
                         if status == 200:
                             got = json.loads(raw).get("id")
@@ -414,7 +419,7 @@ async def chain(
                 await asyncio.sleep(wait)
             if got:
                 ch.ok += 1
-                prev = (got, engine, sent)
+                prev = (got, engine, sent, upstream)
             else:
                 # the engine that held the previous response was killed after its request was
                 # sent: the response was stored in that engine's memory, gone with it (on a
@@ -424,7 +429,7 @@ async def chain(
                     t.event("chain_lost_with_engine")
                 else:
                     ch.broken += 1
-                    t.event("chain_broken")
+                    t.event("chain_broken", prev[3] if prev is not None else "")
                     key = f"status {status}"
                     ch.reasons[key] = ch.reasons.get(key, 0) + 1
                 break
@@ -515,6 +520,16 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
             and redis_fault.at <= when <= end
             and not (replica_kill is not None and upstream == killed_addr and when >= replica_kill.at)
         )
+    # a chain whose last response's owner record was written by the killed replica, broken while
+    # Redis was empty: as for a home, that record's only copies were in that Redis and that replica
+    chains_with_replica = sum(
+        1
+        for when, kind, upstream in t.events
+        if kind == "chain_broken"
+        and replica_kill is not None
+        and upstream == killed_addr
+        and when >= replica_kill.at
+    )
     rows = []
     for f in faults:
         stop = (f.recovered or f.back or f.at) + SETTLE_S
@@ -546,7 +561,8 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         "lost_home_with_replica": lost_with_replica,
         "lost_home_store_down": lost_store_down,
         "chain_links": chains.links,
-        "chains_broken": chains.broken,
+        "chains_broken": chains.broken - chains_with_replica,
+        "chains_lost_with_replica": chains_with_replica,
         "chains_lost_with_engine": chains.lost_with_engine,
         "chain_reasons": chains.reasons,
         "chain_errors": chains.last_errors[-5:],
@@ -596,6 +612,7 @@ def table(runs: list[dict[str, Any]]) -> str:
         "chain_links",
         "chain_retries",
         "chains_broken",
+        "chains_lost_with_replica",
         "chains_lost_with_engine",
     ]
     lines = [
