@@ -48,8 +48,11 @@
   the engine with the lowest estimated time to first token (the estimate above, among engines
   where it stays under the knee) when that is lower (``new_session_load``, ``spread_new``):
   the prefix saved is priced against the queue the pull has built (otherwise sessions pile onto
-  the one engine that holds the shared system prompt). What each rule measured:
-  docs/lab/benchmarks_sim.md and docs/lab/benchmarks_live.md.
+  the one engine that holds the shared system prompt). Every pick carries the turn's predicted
+  TTFT and decode speed on the chosen engine (the decision record's predicted SLO outcome); with
+  ``slo_ttft_s`` a ``kv_balance`` move is judged by the SLO (``kv_balance_miss``: a deliberate
+  TTFT miss within the fleet's budget). What each rule measured: docs/lab/benchmarks_sim.md and
+  docs/lab/benchmarks_live.md.
 - ``cache_aware(balance_abs, balance_rel, cache_threshold)``: SGLang router's policy. If the
   load is imbalanced (``q_max - q_min > balance_abs`` and ``q_max > balance_rel * q_min``) pick the
   shortest queue (``load``); else if the best prefix match covers more than ``cache_threshold`` of
@@ -138,6 +141,8 @@ class StickyBounded:
     """Expected output of a turn: a ``kv_balance`` move is made only when the decode time it saves
     over this many tokens exceeds the TTFT its reload adds (0: not priced)."""
     slo_step_ms: float = 0.0
+    """The decode step of the interactivity target (1000 / tok/s): only decode time beyond it
+    counts as saved."""
     overflow_wait_tokens: int = 0
     """A ``kv_overflow`` move is made only when its reload takes less than this many decode
     steps at home (0: always)."""
