@@ -487,24 +487,23 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         killed.kill = orig_kill  # type: ignore[method-assign]
     replica_kill = next((f for f in faults if f.fault.startswith("SIGKILL replica")), None)
     killed_addr = replica_kill.target if replica_kill is not None else ""
+
+    def through_killed(when: float, upstream: str) -> bool:
+        """An event after the replica kill that names the killed replica: a stream it was
+        relaying, or a turn before it served (Redis restarts empty while that replica is down,
+        so what it recorded had its only copies in that Redis and that replica)."""
+        return replica_kill is not None and upstream == killed_addr and when >= replica_kill.at
+
     # a stream the killed replica was relaying (nginx's X-Upstream-Addr names it), cut after the kill
     cut_by_kill = sum(
         1
         for when, kind, upstream in t.events
-        if kind == "cut_silently"
-        and replica_kill is not None
-        and when >= replica_kill.at
-        and upstream.rsplit(", ", 1)[-1] == killed_addr
+        if kind == "cut_silently" and through_killed(when, upstream.rsplit(", ", 1)[-1])
     )
-    # a home lost while Redis was empty and the killed replica, which served the session's turn
-    # before, was down: the session's only copies were in that Redis and that replica
+
+    # a home lost with the killed replica's record of the session
     lost_with_replica = sum(
-        1
-        for when, kind, upstream in t.events
-        if kind == "lost_home"
-        and replica_kill is not None
-        and upstream == killed_addr
-        and when >= replica_kill.at
+        1 for when, kind, up in t.events if kind == "lost_home" and through_killed(when, up)
     )
     # a home lost while Redis was down or empty and not yet refilled (from its restart until
     # every replica was ready again, out of degraded mode): the replica that served the turn
@@ -516,19 +515,11 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         lost_store_down = sum(
             1
             for when, kind, upstream in t.events
-            if kind == "lost_home"
-            and redis_fault.at <= when <= end
-            and not (replica_kill is not None and upstream == killed_addr and when >= replica_kill.at)
+            if kind == "lost_home" and redis_fault.at <= when <= end and not through_killed(when, upstream)
         )
-    # a chain whose last response's owner record was written by the killed replica, broken while
-    # Redis was empty: as for a home, that record's only copies were in that Redis and that replica
+    # a chain broken with the killed replica's record of its last response's engine
     chains_with_replica = sum(
-        1
-        for when, kind, upstream in t.events
-        if kind == "chain_broken"
-        and replica_kill is not None
-        and upstream == killed_addr
-        and when >= replica_kill.at
+        1 for when, kind, up in t.events if kind == "chain_broken" and through_killed(when, up)
     )
     rows = []
     for f in faults:
