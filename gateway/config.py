@@ -276,6 +276,11 @@ class SessionsConfig(_Strict):
     """With the Redis backend, how often each replica writes its in-flight requests per engine to
     Redis and reads the other replicas' (gateway/service/shared_load.py), so it routes on everyone's
     load between two scrapes of the engines' gauges; 0: off."""
+    discover_response_owners: bool = True
+    """When the record of which engine holds a stored Responses-API response is missing (Redis
+    restarted empty, or expired while the engine kept the response), ask the engines
+    (``GET /v1/responses/{id}``) and remember the one that has it. Only where ``auth.tenants`` is
+    empty: with tenants, an engine's answer cannot tell whose response it is."""
 
 
 def _sha256_digests(v: list[str]) -> list[str]:

@@ -30,6 +30,7 @@ from gateway.service.placement import Analysis, Placement
 from gateway.service.prompts import Prompts
 from gateway.service.proxy import Upstream
 from gateway.service.rehome import Rehomer
+from gateway.service.responses import engine_search
 from gateway.service.roles import RoleDriver, role_params
 from gateway.service.session_store import RedisSessionStore, SessionStore
 from gateway.service.shared_load import SharedLoad
@@ -38,6 +39,9 @@ from gateway.service.turns import Turns
 from gateway.wire.openai import ParsedRequest
 
 __all__ = ["Analysis", "GatewayService", "Relay"]
+
+SEARCH_TIMEOUT_S = 10.0
+"""How long a search of the engines for a stored response waits for their answers."""
 
 
 def salt_for(parsed: ParsedRequest, salt: str) -> None:
@@ -76,6 +80,10 @@ class GatewayService:
         )
         self.rehomer = Rehomer(cluster, self.placement, metrics, clock)
         self.forwarder = Forwarder(config, upstream, cluster, metrics)
+        if config.sessions.discover_response_owners and not config.auth.tenants:
+            owners = self.placement.owners
+            owners.find = engine_search(self._may_hold_responses, self.forwarder.call, SEARCH_TIMEOUT_S)
+            owners.on_search = lambda outcome: metrics.response_owner_searches.labels(outcome).inc()
         self.tenants = TenantRegistry.from_config(config.auth, config.listen.host, announce=False)
         self.admission = Admission(config.admission, metrics=metrics)
         self.turns = Turns(self, self.admission, self.placement, self.forwarder, cluster, metrics)
@@ -107,6 +115,13 @@ class GatewayService:
     def subscribers(self) -> list[KvEventSubscriber]:
         """Each publishing engine's KV-event subscriber (its coverage: ``/ready``, ``/metrics``)."""
         return self.kv_feeds.subscribers
+
+    def _may_hold_responses(self) -> list[tuple[str, str]]:
+        """The engines a stored response may be on: answered since the gateway started, not
+        removed, not refusing connections (bounded by the fleet)."""
+        return [
+            (n, s.pool) for n, s in self.cluster.engines.items() if s.seen and not s.removed and not s.refused
+        ]
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:

@@ -52,6 +52,13 @@ class GatewayMetrics:
             ["reason", "bound"],
             registry=r,
         )
+        self.response_owner_searches = Counter(
+            "agentgw_response_owner_searches",
+            "Stored responses whose owner record was missing, looked for on the engines, by outcome "
+            "(found, not_found, remembered_missing: found nowhere a moment ago)",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "agentgw_client_disconnects",
             "Streams aborted because the client went away",

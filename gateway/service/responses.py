@@ -9,19 +9,36 @@ tenant's namespace (``<tenant>:\x1fresponse:<id>``), so the tenant's session quo
 stored responses and one tenant's responses never push out another's; and marked by a control
 character no session id can hold (hint ids are printable), so no session id of any tenant,
 whatever its name, can address an owner record.
+
+When the record is missing (Redis restarted empty, or its last writer had not yet pushed it back)
+the engines may still hold the response. Where no tenants are configured (every caller shares one
+namespace, so an engine's answer cannot belong to another tenant), the owner is then found by
+asking the engines (:attr:`ResponseOwners.find`, ``sessions.discover_response_owners``) and
+remembered again. Found nowhere, the id is remembered as missing for a few seconds, so a client
+repeating an unknown id does not send a call to every engine each time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from gateway.core.sessions import SessionRecord
-from gateway.errors import Refused
+from gateway.errors import Refused, UpstreamFailed
 from gateway.service.session_store import SessionStore
 
-__all__ = ["RESPONSE_ID", "ResponseOwners", "find_response_id", "is_owner_key", "owner_key"]
+__all__ = [
+    "RESPONSE_ID",
+    "Finder",
+    "ResponseOwners",
+    "engine_search",
+    "find_response_id",
+    "is_owner_key",
+    "owner_key",
+]
 
 MARK = "\x1fresponse:"
 #: A response id as vLLM makes them (``resp_`` + hex); other characters are refused as ids.
@@ -29,6 +46,16 @@ RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 _ID_IN_BODY = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_\-]{1,120})"')
 #: How far into a response the gateway looks for its id (it is in the first event or key).
 SCAN_BYTES = 16_384
+#: Ids found on no engine, remembered this long (and at most ``MISSES`` of them).
+MISS_TTL_S = 5.0
+MISSES = 4096
+#: Searches of the engines in flight at once per replica (more wait for one to end).
+SEARCHES = 8
+
+Finder = Callable[[str, str], Awaitable[tuple[str, str] | None]]
+"""Asks the engines for a stored response (its id, and the request's field that named it): its
+(engine, pool), or None when none holds it (raises Refused when one that may hold it cannot answer
+now)."""
 
 
 def find_response_id(head: bytes) -> str | None:
@@ -48,9 +75,18 @@ def is_owner_key(key: str) -> bool:
 
 
 class ResponseOwners:
-    def __init__(self, store: SessionStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, store: SessionStore, clock: Callable[[], float] = time.time, find: Finder | None = None
+    ) -> None:
         self.store = store
         self.clock = clock
+        self.find = find
+        """Where set, a missing record is looked for on the engines (see the module's docstring)."""
+        self._missing: OrderedDict[str, float] = OrderedDict()
+        self._searches = asyncio.Semaphore(SEARCHES)
+        self.searches: dict[str, int] = {"found": 0, "not_found": 0, "remembered_missing": 0}
+        """Missing records looked for, by outcome (``agentgw_response_owner_searches_total``)."""
+        self.on_search: Callable[[str], None] = lambda outcome: None
 
     async def remember(self, response_id: str, engine: str, pool: str) -> None:
         now = self.clock()
@@ -70,4 +106,87 @@ class ResponseOwners:
                 1,
                 field=field,
             )
+        if rec is None and self.find is not None:
+            return await self._search(response_id, field)
         return rec.home if rec is not None else None
+
+    def _count(self, outcome: str) -> None:
+        self.searches[outcome] += 1
+        self.on_search(outcome)
+
+    async def _search(self, response_id: str, field: str) -> str | None:
+        assert self.find is not None
+        now = self.clock()
+        until = self._missing.get(response_id)
+        if until is not None and until > now:
+            self._count("remembered_missing")
+            return None
+        async with self._searches:
+            found = await self.find(response_id, field)
+        if found is None:
+            self._count("not_found")
+            self._missing[response_id] = self.clock() + MISS_TTL_S
+            self._missing.move_to_end(response_id)
+            while len(self._missing) > MISSES:
+                self._missing.popitem(last=False)
+            return None
+        self._count("found")
+        self._missing.pop(response_id, None)
+        engine, pool = found
+        await self.remember(response_id, engine, pool)
+        return engine
+
+
+Call = Callable[[str, str, str, bytes | None], Awaitable[tuple[int, bytes]]]
+"""One whole request to one engine: (engine, method, path, body) -> (status, body)."""
+
+
+def engine_search(engines: Callable[[], list[tuple[str, str]]], call: Call, timeout_s: float) -> Finder:
+    """A :data:`Finder` that asks every engine ``engines()`` lists ((name, pool), those that may
+    hold state: not removed, not refusing connections) for ``GET /v1/responses/{id}`` at once, and
+    answers with the first that has it. None when every one answered without it (vLLM's 404);
+    Refused (a 503 ``owner_unavailable`` to retry) when none had it but one did not answer within
+    ``timeout_s`` (paused or overloaded: it may be the one)."""
+
+    async def ask(name: str, path: str, response_id: str) -> bool:
+        status, body = await call(name, "GET", path, None)
+        return status == 200 and response_id.encode() in body
+
+    async def find(response_id: str, field: str) -> tuple[str, str] | None:
+        asked = engines()
+        if not asked:
+            return None
+        path = "/v1/responses/" + response_id
+        tasks = {asyncio.create_task(ask(name, path, response_id)): (name, pool) for name, pool in asked}
+        silent: list[str] = []
+        try:
+            pending = set(tasks)
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while pending:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    exc = t.exception()
+                    if exc is None and t.result():
+                        return tasks[t]
+                    # refusing connections: known gone; removed meanwhile (KeyError): gone too
+                    if isinstance(exc, UpstreamFailed) and (exc.timed_out or not exc.connect):
+                        silent.append(tasks[t][0])  # alive but not answering, or cut mid-answer
+            silent += [tasks[t][0] for t in pending]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if silent:
+            raise Refused(
+                f"no record says which engine holds this response, and '{silent[0]}', which may hold it, "
+                "is not answering now; retry",
+                "owner_unavailable",
+                2,
+                field=field,
+            )
+        return None
+
+    return find

@@ -20,6 +20,7 @@ do), ``rb`` runs with the local engines' defaults.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ import pytest
 
 from engine_ext.response_store import ENV_MAX_BYTES, ENV_MAX_ENTRIES
 from gateway.local.engines import EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.service.responses import owner_key
 from tests.conftest import MODEL, ServedGateway, wait_ready
 
 pytestmark = pytest.mark.engine
@@ -166,6 +168,32 @@ def _stored_on(gw: ServedGateway, engine: str) -> str:
         if r.headers["x-agentgw-engine"] == engine:
             return str(r.json()["id"])
     raise AssertionError(f"round robin never reached {engine}")
+
+
+def test_a_lost_owner_record_is_found_again_on_the_engines(engines: dict[str, LocalEngine]) -> None:
+    """The record of a response's engine is gone (as after Redis restarted empty): the gateway asks
+    the engines, finds it on ``rb`` and the chain goes on there; an id no engine holds is still
+    OpenAI's 400, and the engines are not asked for it again at once."""
+    with ServedGateway(_gateway_config(engines)) as gw:
+        wait_ready(gw.url)
+        rid = _stored_on(gw, "rb")
+        assert gw.loop is not None
+        lost = asyncio.run_coroutine_threadsafe(gw.service.sessions.delete(owner_key(rid)), gw.loop)
+        assert lost.result(10) is not None
+        got = httpx.get(f"{gw.url}/v1/responses/{rid}", timeout=60)
+        assert got.status_code == 200 and got.json()["id"] == rid, got.text
+        follow = create(gw.url, "second turn", previous_response_id=rid)
+        assert follow.status_code == 200, follow.text
+        assert (follow.headers["x-agentgw-engine"], follow.headers["x-agentgw-reason"]) == ("rb", "owner")
+        unknown = "resp_" + "0" * 32
+        for _ in range(2):
+            err = assert_not_found(
+                create(gw.url, "next", previous_response_id=unknown), "previous_response_id"
+            )
+            assert err["code"] == "previous_response_not_found", err
+        metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+        for outcome, n in (("found", 1), ("not_found", 1), ("remembered_missing", 1)):
+            assert f'agentgw_response_owner_searches_total{{outcome="{outcome}"}} {n}.0' in metrics, metrics
 
 
 def test_owner_engine_killed_gets_the_clear_404(engines: dict[str, LocalEngine]) -> None:
