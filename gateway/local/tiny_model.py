@@ -338,8 +338,19 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
+DEFAULT_MAX_NEW_TOKENS = 1024
+"""The output limit of a request that sets none (``max_tokens`` / ``max_output_tokens``; Codex sets
+none), from ``generation_config.json``: a random-weight model rarely emits end-of-sequence and
+would write until the window is full (minutes on a CPU). vLLM reads it as a default only: a
+request's own limit (Claude Code's 32,000) is kept."""
+
+
 def _generation_config() -> dict[str, Any]:
-    return {"bos_token_id": _TOKEN_IDS["<|endoftext|>"], "eos_token_id": _TOKEN_IDS[EOS_TOKEN]}
+    return {
+        "bos_token_id": _TOKEN_IDS["<|endoftext|>"],
+        "eos_token_id": _TOKEN_IDS[EOS_TOKEN],
+        "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,6 +367,7 @@ def recipe_fingerprint(arch: str) -> str:
     digest.update(f"recipe={RECIPE_VERSION};arch={arch};seed={SEED};std={INIT_STD}\n".encode())
     digest.update(_json_text(model_config(arch)).encode())
     digest.update(chat_template().encode())
+    digest.update(_json_text(_generation_config()).encode())
     for path in _corpus_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
