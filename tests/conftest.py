@@ -24,7 +24,7 @@ import uvicorn
 from gateway.api.app import create_app
 from gateway.api.server import uvicorn_config
 from gateway.config import load_config
-from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines, stop_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import build_tiny_model
 
@@ -183,8 +183,7 @@ def three_engines(tiny_llama: Path, logs: Path) -> Iterator[dict[str, LocalEngin
     try:
         yield {e.spec.name: e for e in engines}
     finally:
-        for e in engines:
-            e.stop()
+        stop_engines(engines)
 
 
 def cluster_config(cluster: dict[str, LocalEngine], tiny_llama: Path, **overrides: Any) -> dict[str, Any]:

@@ -30,13 +30,14 @@ import contextlib
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from engine_ext.config import control_env, kv_transfer_config
 from gateway.local.agent_script import AGENT_MODEL, SCRIPTED_DECODER
-from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports, start_engines, stop_engines
 from gateway.local.layout import DEFAULT, LocalLayout
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.redis_server import LocalRedis
@@ -99,6 +100,7 @@ def plan_local_stack(
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     extra_args: tuple[str, ...] = (),
     model_dir: Path | None = None,
+    speculative: Mapping[str, Any] | None = None,
 ) -> LocalStack:
     """Build the tiny model if it is missing, start the side servers the stack asks for
     (``redis-server``, ``mooncake_master``: about a second each), choose the engines' ports and
@@ -107,12 +109,23 @@ def plan_local_stack(
 
     ``model_dir``: where the tiny model is built (default: under ``home``). Raises
     FileNotFoundError, naming the install command, when ``mooncake_master`` or ``redis-server``
-    is asked for and missing."""
+    is asked for and missing.
+
+    ``speculative``: vLLM's ``--speculative-config`` for every engine (speculative decoding);
+    ``draft_model`` without a ``model`` drafts with the tiny model itself (see
+    :func:`speculative_config`). vLLM refuses custom logits processors beside it, so the engines
+    then load no scripted decoder and do not serve ``tiny-agent``."""
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     if sessions not in SESSIONS:
         raise ValueError(f"sessions must be one of {SESSIONS}, got {sessions!r}")
     model_dir = build_tiny_model(model_dir or home / "models" / SERVED_NAMES[arch], arch)
+    if speculative is not None:
+        extra_args = (
+            *extra_args,
+            "--speculative-config",
+            json.dumps(speculative_config(speculative, model_dir)),
+        )
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(engines=[], config={})
@@ -143,8 +156,9 @@ def plan_local_stack(
                     name=name,
                     model_dir=model_dir,
                     served_model_name=SERVED_NAMES[arch],
-                    served_aliases=(AGENT_MODEL,),
-                    logits_processors=(SCRIPTED_DECODER,),
+                    # vLLM refuses custom logits processors beside speculative decoding
+                    served_aliases=(AGENT_MODEL,) if speculative is None else (),
+                    logits_processors=(SCRIPTED_DECODER,) if speculative is None else (),
                     port=port,
                     kv_events_port=events,
                     log_path=logs / f"{name}.log",
@@ -208,6 +222,15 @@ def config_for(
     return {"pools": pools, "models": models}
 
 
+def speculative_config(config: Mapping[str, Any], model_dir: Path) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for the tiny model's engines: as given, except that a
+    ``draft_model`` without a ``model`` drafts with the served model itself (the tiny model is its
+    own drafter: greedy drafts that the target accepts while the drafter's KV is intact)."""
+    out = dict(config)
+    if out.get("method") == "draft_model" and not out.get("model"):
+        out["model"] = str(model_dir)
+    return out
+
+
 def stop_all(engines: list[LocalEngine]) -> None:
-    for e in engines:
-        e.stop()
+    stop_engines(engines)

@@ -56,6 +56,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "start_engines",
+    "stop_engines",
 ]
 
 DEFAULT_TOOL_CALL_PARSER = "hermes"  # matches gateway/local/templates/chatml.jinja's <tool_call> JSON
@@ -437,6 +438,20 @@ class LocalEngine:
             time.sleep(0.05)
 
 
+def stop_engines(engines: Sequence[LocalEngine]) -> None:
+    """Stop every engine at once (each as :meth:`LocalEngine.stop` does; a vLLM teardown takes
+    seconds, so one after another a fleet's stop took their sum)."""
+    threads = [threading.Thread(target=e.stop, name=f"stop-{e.spec.name}", daemon=True) for e in engines[1:]]
+    for t in threads:
+        t.start()
+    try:
+        if engines:
+            engines[0].stop()
+    finally:
+        for t in threads:
+            t.join()
+
+
 def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list[LocalEngine]:
     """Start every engine and wait for all in parallel; on the first failure stop them all and raise it."""
     engines = [LocalEngine(spec) for spec in specs]
@@ -463,8 +478,7 @@ def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list
             if error is not None:
                 raise error
     except BaseException:
-        for engine in engines:
-            engine.stop()  # the other waiters see their process gone and return
+        stop_engines(engines)  # the other waiters see their process gone and return
         for thread in threads:
             if thread.is_alive():
                 thread.join()

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from engine_ext import config
-from gateway.local.engines import EngineSpec, LocalEngine, start_engines
+from gateway.local.engines import EngineSpec, LocalEngine, start_engines, stop_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import VOCAB_SIZE
 
@@ -152,8 +152,7 @@ def running_engines(specs: Sequence[EngineSpec], control_ports: Sequence[int]) -
             for s, e, port in zip(specs, started, control_ports, strict=True)
         }
     finally:
-        for e in started:
-            e.stop()
+        stop_engines(started)
 
 
 def until(fn: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.2) -> Any:

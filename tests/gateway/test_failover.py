@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.local.engines import LocalEngine, free_ports, start_engines
+from gateway.local.engines import LocalEngine, free_ports, start_engines, stop_engines
 from tests.conftest import MODEL, ServedGateway, engine_specs, fake_engine, wait_ready
 
 pytestmark = pytest.mark.engine
@@ -46,8 +46,7 @@ def pair(tiny_llama: Path, workdir: Path) -> Iterator[list[LocalEngine]]:
     try:
         yield engines
     finally:
-        for e in engines:
-            e.stop()
+        stop_engines(engines)
 
 
 def one_pool(engines: list[tuple[str, str]], **kw: object) -> dict:

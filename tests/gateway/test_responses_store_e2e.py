@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from engine_ext.response_store import ENV_MAX_BYTES, ENV_MAX_ENTRIES
-from gateway.local.engines import EngineSpec, LocalEngine, free_ports, start_engines
+from gateway.local.engines import EngineSpec, LocalEngine, free_ports, start_engines, stop_engines
 from gateway.service.responses import owner_key
 from tests.conftest import MODEL, ServedGateway, wait_ready
 
@@ -63,8 +63,7 @@ def engines(tiny_llama: Path, workdir: Path) -> Iterator[dict[str, LocalEngine]]
     try:
         yield {e.spec.name: e for e in started}
     finally:
-        for e in started:
-            e.stop()
+        stop_engines(started)
 
 
 def store_stats(engine: LocalEngine) -> dict[tuple[str, str], float]:

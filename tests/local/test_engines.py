@@ -8,9 +8,11 @@ import ipaddress
 import json
 import socket
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from gateway.local.engines import (
     free_port,
     free_ports,
     start_engines,
+    stop_engines,
 )
 from gateway.local.tiny_model import SERVED_MODEL_NAMES, build_tiny_model
 
@@ -469,3 +472,24 @@ def test_a_kv_transfer_config_gets_a_unique_engine_id_and_an_explicit_one_is_kep
     explicit = ["--kv-transfer-config", json.dumps({"engine_id": "mine"})]
     assert engines.with_engine_id(explicit, "e") == (explicit, "mine")
     assert engines.with_engine_id(["--model", "m"], "e") == (["--model", "m"], None)
+
+
+def test_stop_engines_stops_them_all_at_once_and_every_one_even_if_one_fails() -> None:
+    """Each stop waits at a barrier the others must reach: one after another, the first would
+    never pass it (a vLLM teardown takes seconds; a fleet's stop took their sum)."""
+    barrier = threading.Barrier(3, timeout=30)
+    stopped: list[str] = []
+
+    def engine(name: str, fails: bool = False) -> Any:
+        def stop() -> None:
+            barrier.wait()
+            stopped.append(name)
+            if fails:
+                raise RuntimeError(f"{name} failed to stop")
+
+        return SimpleNamespace(spec=SimpleNamespace(name=name), stop=stop)
+
+    with pytest.raises(RuntimeError, match="a failed"):
+        stop_engines([engine("a", fails=True), engine("b"), engine("c")])
+    assert sorted(stopped) == ["a", "b", "c"]
+    stop_engines([])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine_ext.config import control_env
-from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines
+from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines, stop_engines
 from gateway.local.mooncake import MooncakeMaster
 from tests.conftest import MODEL, ServedGateway, engine_specs, wait_ready
 from tests.engine_ext.conftest import kv_transfer_config
@@ -41,8 +41,7 @@ def kv_cluster(
     try:
         yield {e.spec.name: (e, f"http://127.0.0.1:{c}") for e, c in zip(engines, control_ports, strict=True)}
     finally:
-        for e in engines:
-            e.stop()
+        stop_engines(engines)
 
 
 def kv_gateway_config(kv_cluster: dict[str, tuple[LocalEngine, str]], tiny_llama: Path) -> dict:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from engine_ext import config
-from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines
+from gateway.local.engines import HASH_SEED, LocalEngine, free_ports, start_engines, stop_engines
 from gateway.local.mooncake import MooncakeMaster, MooncakeStoreNode
 from tests.conftest import MODEL, ServedGateway, engine_metric, engine_specs, wait_ready
 from tests.engine_ext.offload_support import AUTH, BLOCK, BLOCK_BYTES, CONTROL_TOKEN, HOST_CHUNKS
@@ -70,8 +70,7 @@ def rehome_cluster(
                 e.spec.name: (e, f"http://127.0.0.1:{c}") for e, c in zip(engines, control_ports, strict=True)
             }
         finally:
-            for e in engines:
-                e.stop()
+            stop_engines(engines)
 
 
 @pytest.fixture(scope="module")
