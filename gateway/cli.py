@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -102,8 +103,23 @@ def main(argv: list[str] | None = None) -> int:
         default="memory",
         help="session store: memory (default), redis (a local redis-server, started here)",
     )
+    serve.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="local engines: vLLM's --speculative-config (speculative decoding), e.g. "
+        '\'{"method": "draft_model", "num_speculative_tokens": 3}\' (a draft_model without a '
+        "model drafts with the tiny model itself)",
+    )
     _add_plan(sub)
     args = parser.parse_args(argv)
+    args.speculative = None
+    if getattr(args, "speculative_config", None):
+        try:
+            args.speculative = json.loads(args.speculative_config)
+        except ValueError as exc:
+            parser.error(f"--speculative-config: not JSON ({exc})")
+        if not isinstance(args.speculative, dict):
+            parser.error("--speculative-config: must be a JSON object")
     if args.command == "plan":
         return _plan(args)
     logging.basicConfig(
@@ -135,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if config.pools or config.discovery.file is not None:
         local = (args.engines, args.first_turn, args.warm)
-        if any(v is not None for v in local) or args.store != "host" or args.sessions != "memory":
+        if (
+            any(v is not None for v in local)
+            or args.store != "host"
+            or args.sessions != "memory"
+            or args.speculative is not None
+        ):
             print(
-                "agentgw: --engines/--first-turn/--warm/--store/--sessions start local engines: "
-                "not with pools",
+                "agentgw: --engines/--first-turn/--warm/--store/--sessions/--speculative-config start "
+                "local engines: not with pools",
                 file=sys.stderr,
             )
             return 2
@@ -209,7 +230,9 @@ def _serve_embedded(
     startup: EngineStartup | None = None
     try:
         _say(f"preparing the tiny model in {DEFAULT_HOME / 'models'}")
-        stack = plan_local_stack(layout, store=args.store, sessions=args.sessions)
+        stack = plan_local_stack(
+            layout, store=args.store, sessions=args.sessions, speculative=args.speculative
+        )
         specs = stack.specs
         config = load_config(args.config, **stack.config, **routing, **overrides)
         url = f"http://{config.listen.host}:{config.listen.port}"

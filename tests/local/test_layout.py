@@ -4,6 +4,7 @@ configures, and docker-compose.yml / deploy/launch.py running the same default e
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,7 +15,10 @@ import yaml
 
 from gateway.cli import layout_routing, main
 from gateway.config import load_config
+from gateway.local.embedded import plan_local_stack, speculative_config
+from gateway.local.engines import engine_command
 from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
+from gateway.local.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,6 +98,10 @@ def test_the_layout_routing_yields_to_the_config(tmp_path: Path) -> None:
     [
         (["serve", "--engines", "2", "--first-turn", "2"], "first-turn engines must be 0 .. engines - 1"),
         (["serve", "--engine", "http://127.0.0.1:1", "--warm", "2"], "start local engines: not with pools"),
+        (
+            ["serve", "--engine", "http://127.0.0.1:1", "--speculative-config", '{"method": "ngram"}'],
+            "start local engines: not with pools",
+        ),
     ],
 )
 def test_serve_refuses_a_bad_layout_before_starting_anything(
@@ -153,3 +161,30 @@ def test_launch_writes_the_pools_of_the_layout(
         (p["role"], [e["name"] for e in p["engines"]]) for p in expected.pools(members(expected))
     ]
     assert launch.engine_port(expected.names[-1]) == launch.engine_port_base + expected.engines - 1
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("{method: ngram", "--speculative-config: not JSON"), ("[1]", "must be a JSON object")],
+)
+def test_serve_refuses_a_speculative_config_that_is_not_a_json_object(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--speculative-config", value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_local_engine_gets_the_speculative_config_and_a_draft_model_defaults_to_the_tiny_model(
+    tmp_path: Path,
+) -> None:
+    model = build_tiny_model(tmp_path / "model", "llama")
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    stack = plan_local_stack(LocalLayout(2), store="none", home=tmp_path, model_dir=model, speculative=spec)
+    for s in stack.specs:
+        cmd = engine_command(s)
+        given = json.loads(cmd[cmd.index("--speculative-config") + 1])
+        assert given == {**spec, "model": str(model)}
+    other = {"method": "draft_model", "model": "/elsewhere", "num_speculative_tokens": 2}
+    assert speculative_config(other, model) == other
+    assert speculative_config({"method": "ngram"}, model) == {"method": "ngram"}
