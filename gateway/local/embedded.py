@@ -225,7 +225,9 @@ def config_for(
 def speculative_config(config: Mapping[str, Any], model_dir: Path) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` for the tiny model's engines: as given, except that a
     ``draft_model`` without a ``model`` drafts with the served model itself (the tiny model is its
-    own drafter: greedy drafts that the target accepts while the drafter's KV is intact)."""
+    own drafter). The random tiny model's greedy drafts are accepted whatever the drafter's KV
+    holds (zeroing the drafter's reloaded KV left every draft accepted), so acceptance on it says
+    nothing about that state."""
     out = dict(config)
     if out.get("method") == "draft_model" and not out.get("model"):
         out["model"] = str(model_dir)
