@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -440,16 +441,11 @@ class LocalEngine:
 
 def stop_engines(engines: Sequence[LocalEngine]) -> None:
     """Stop every engine at once (each as :meth:`LocalEngine.stop` does; a vLLM teardown takes
-    seconds, so one after another a fleet's stop took their sum)."""
-    threads = [threading.Thread(target=e.stop, name=f"stop-{e.spec.name}", daemon=True) for e in engines[1:]]
-    for t in threads:
-        t.start()
-    try:
-        if engines:
-            engines[0].stop()
-    finally:
-        for t in threads:
-            t.join()
+    seconds, so one after another a fleet's stop took their sum); then raise the first failure."""
+    with ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="stop") as pool:
+        stops = [pool.submit(e.stop) for e in engines]
+    for done in stops:
+        done.result()
 
 
 def start_engines(specs: Sequence[EngineSpec], timeout_s: float = 180.0) -> list[LocalEngine]:

@@ -76,7 +76,11 @@ def is_owner_key(key: str) -> bool:
 
 class ResponseOwners:
     def __init__(
-        self, store: SessionStore, clock: Callable[[], float] = time.time, find: Finder | None = None
+        self,
+        store: SessionStore,
+        clock: Callable[[], float] = time.time,
+        find: Finder | None = None,
+        on_search: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -84,9 +88,9 @@ class ResponseOwners:
         """Where set, a missing record is looked for on the engines (see the module's docstring)."""
         self._missing: OrderedDict[str, float] = OrderedDict()
         self._searches = asyncio.Semaphore(SEARCHES)
-        self.searches: dict[str, int] = {"found": 0, "not_found": 0, "remembered_missing": 0}
-        """Missing records looked for, by outcome (``agentgw_response_owner_searches_total``)."""
-        self.on_search: Callable[[str], None] = lambda outcome: None
+        self.on_search = on_search
+        """Told each search's outcome: found, not_found, remembered_missing
+        (``agentgw_response_owner_searches_total``)."""
 
     async def remember(self, response_id: str, engine: str, pool: str) -> None:
         now = self.clock()
@@ -111,8 +115,8 @@ class ResponseOwners:
         return rec.home if rec is not None else None
 
     def _count(self, outcome: str) -> None:
-        self.searches[outcome] += 1
-        self.on_search(outcome)
+        if self.on_search is not None:
+            self.on_search(outcome)
 
     async def _search(self, response_id: str, field: str) -> str | None:
         assert self.find is not None
