@@ -113,6 +113,35 @@ Mutation = Callable[[SessionRecord | None], SessionRecord | None]
 """A read-modify-write of one session record (None in: none live; None out: write nothing)."""
 
 
+def hints_only(rec: SessionRecord) -> bool:
+    """A record only hints made: ``POST /v1/agent/sessions/{id}/hints`` on a replica that did not
+    know the session (no turn placed it: no home)."""
+    return rec.home is None and rec.turns == 0 and not rec.ended
+
+
+def _lend_hints(to: SessionRecord, hinted: SessionRecord) -> SessionRecord:
+    if hinted.expected_gap_s is not None:
+        to.expected_gap_s = hinted.expected_gap_s
+    to.parent = to.parent or hinted.parent
+    to.last_activity = max(to.last_activity, hinted.last_activity)
+    return to
+
+
+def reconcile(local: SessionRecord, remote: SessionRecord | None) -> SessionRecord | None:
+    """Two copies of a session after an outage or a loss (this replica's, the store's): the
+    record to write, or None to leave the store's. The more recently active copy wins, except
+    that a copy only hints made never replaces one a turn placed: the placed one is kept, with
+    the hints (a hint sent to a replica that missed the session meanwhile would otherwise
+    erase its home)."""
+    if remote is None:
+        return local
+    if hints_only(remote) and not hints_only(local):
+        return _lend_hints(local, remote)
+    if hints_only(local) and not hints_only(remote):
+        return _lend_hints(remote, local)
+    return None if remote.last_activity > local.last_activity else local
+
+
 def namespace_of(session_id: str, quotas: Mapping[str, int]) -> str:
     """The namespace of ``session_id`` ("" when it is none with a quota)."""
     ns, sep, _ = session_id.partition(":")

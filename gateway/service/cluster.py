@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -72,6 +73,8 @@ class EngineState:
     successes: int = 0
     refused: bool = False
     """The last failure was a refused connection (the engine is down, not merely slow)."""
+    refused_at: float = 0.0
+    """When (the cluster's wall clock) a refused connection was last seen."""
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -143,8 +146,11 @@ def parse_pinned_share(text: bytes) -> float | None:
 class Cluster:
     """Owns the engine states and the background tasks that refresh them."""
 
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+    def __init__(
+        self, config: GatewayConfig, client: httpx.AsyncClient, clock: Callable[[], float] = time.time
+    ) -> None:
         self._config = config
+        self.clock = clock
         self._client = client
         self.engines: dict[str, EngineState] = {}
         for pool in config.pools:
@@ -262,18 +268,31 @@ class Cluster:
             return False
         return s.healthy or (s.seen and not s.refused and self.panicking()[s.pool])
 
-    def owner_unavailable(self, name: str, field: str, timed_out: bool = False) -> None:
+    def owner_unavailable(
+        self, name: str, field: str, timed_out: bool = False, stored_at: float | None = None
+    ) -> None:
         """``name`` holds state a request continues (a stored response, named by the request's
         ``field``) and is not healthy, or (``timed_out``) a request to it just ran out of time:
         raise Refused (a 503 ``owner_unavailable`` to retry) when it may still hold it: it is
         failing probes or not answering in time (paused, overloaded) or has not answered since
         the gateway started. Return when it is known gone (refusing connections: the process is
         down, and vLLM kept the state in its memory; or removed): the caller answers that the
-        state is not found."""
+        state is not found. ``stored_at``: when the state was recorded (by any replica); stored
+        after this replica last saw the engine refuse, it was made by the engine restarted,
+        which this replica's probes have not seen yet: a 503 to retry, not gone."""
         s = self.engines.get(name)
-        if s is None or s.removed or s.refused or (s.healthy and not timed_out):
+        if s is None or s.removed or (s.healthy and not timed_out):
             return
-        why = "starting" if not s.seen else ("failing probes" if not s.healthy else "not answering in time")
+        restarted = s.refused and stored_at is not None and stored_at > s.refused_at
+        if s.refused and not restarted:
+            return
+        why = (
+            "restarted since this replica saw it refuse connections"
+            if restarted
+            else "starting"
+            if not s.seen
+            else ("failing probes" if not s.healthy else "not answering in time")
+        )
         message = f"the engine that holds it, '{name}', is not answering now ({why}); retry"
         raise Refused(message, "owner_unavailable", 2, field=field)
 
@@ -358,6 +377,8 @@ class Cluster:
                 self._changed()
         else:
             s.successes, s.failures = 0, s.failures + 1
+            if refused:
+                s.refused_at = self.clock()
             if s.refused != refused:
                 s.refused = refused
                 self._changed()
@@ -398,6 +419,8 @@ class Cluster:
             return False
         s.successes = 0
         s.refused = refused
+        if refused:
+            s.refused_at = self.clock()
         self._changed()
         s.failures = max(s.failures + 1, self._config.limits.eject_after_failures)
         if s.healthy:

@@ -213,10 +213,12 @@ class GatewayService:
         self, response_id: str, method: str, path: str, tenant: Tenant = ANONYMOUS
     ) -> tuple[int, bytes]:
         """A call on a stored response of the tenant's, made on the engine that holds it."""
-        owner = await self.placement.owners.owner(tenant.namespace(response_id), "response_id")
+        found = await self.placement.owners.lookup(tenant.namespace(response_id), "response_id")
+        owner, since = found if found is not None else (None, None)
         state = self.cluster.engines.get(owner) if owner is not None else None
         if owner is not None and state is not None and not state.healthy:
-            self.cluster.owner_unavailable(owner, "response_id")  # not answering now: a 503 to retry
+            # not answering now, or back since this replica saw it refuse: a 503 to retry
+            self.cluster.owner_unavailable(owner, "response_id", stored_at=since)
         if owner is None or state is None or not state.healthy:
             why = None if state is None else f"the engine that stored it, '{owner}', is gone"
             raise ResponseNotFound(response_id, "response_id", why)

@@ -46,6 +46,8 @@ class Analysis:
     owner_of: str | None = None
     """That stored response's id, as the client named it (for its error messages: the stored,
     namespaced id is the gateway's own)."""
+    owner_since: float | None = None
+    """When a replica recorded that the owner stored it."""
 
     @property
     def hints(self) -> AgentHints:
@@ -120,18 +122,18 @@ class Placement:
         if h.parent_session_id is not None:
             parent = await self.sessions.get(h.parent_session_id, now)
         arrival = self.core.on_arrival(turn, prompt.index, rec, parent, self.cluster.views(), now)
-        owner = await self.owners.owner(continues) if continues is not None else None
-        if continues is not None and owner is None:
+        found = await self.owners.lookup(continues) if continues is not None else None
+        if continues is not None and found is None:
             raise ResponseNotFound(shown or "", "previous_response_id")
-        return Analysis(prompt, arrival, owner, shown)
+        owner, since = found if found is not None else (None, None)
+        return Analysis(prompt, arrival, owner, shown, since)
 
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:
             d = self.core.owner(a.arrival, a.owner)
             if d is None:
-                self.cluster.owner_unavailable(
-                    a.owner, "previous_response_id"
-                )  # not answering now: a 503 to retry
+                # not answering now, or back since this replica saw it refuse: a 503 to retry
+                self.cluster.owner_unavailable(a.owner, "previous_response_id", stored_at=a.owner_since)
                 # its engine is gone (refusing connections, or removed), and the history with it
                 raise ResponseNotFound(a.owner_of or "", "previous_response_id")
             return d

@@ -99,9 +99,15 @@ class ResponseOwners:
         )
 
     async def owner(self, response_id: str, field: str = "previous_response_id") -> str | None:
-        """The engine that stored it; None when no replica recorded it. Raises Refused (a 503
-        ``session_store_unavailable`` to retry) when the store cannot tell: Redis is down and this replica's local view does
-        not have it (another replica may have recorded it; a chain must not end on that)."""
+        """The engine that stored it; None when no replica recorded it (see :meth:`lookup`)."""
+        found = await self.lookup(response_id, field)
+        return found[0] if found is not None else None
+
+    async def lookup(self, response_id: str, field: str = "previous_response_id") -> tuple[str, float] | None:
+        """(the engine that stored it, when that was recorded); None when no replica recorded it.
+        Raises Refused (a 503 ``session_store_unavailable`` to retry) when the store cannot
+        tell: Redis is down and this replica's local view does not have it (another replica may
+        have recorded it; a chain must not end on that)."""
         rec = await self.store.get(owner_key(response_id), self.clock())
         if rec is None and self.store.degraded:
             raise Refused(
@@ -111,8 +117,11 @@ class ResponseOwners:
                 field=field,
             )
         if rec is None and self.find is not None:
-            return await self._search(response_id, field)
-        return rec.home if rec is not None else None
+            engine = await self._search(response_id, field)
+            return (engine, self.clock()) if engine is not None else None
+        if rec is None or rec.home is None:
+            return None
+        return rec.home, rec.created
 
     def _count(self, outcome: str) -> None:
         if self.on_search is not None:

@@ -21,7 +21,9 @@ Redis outage: every record read or written through Redis is also kept in a bound
 *degraded*: reads and writes use the local view, the ids written or deleted meanwhile are
 remembered (bounded), and Redis is tried again at most every ``retry_s``. When it answers, the
 remembered writes are pushed back (the newer ``last_activity`` wins against what another
-replica wrote meanwhile), deletions are replayed, and the store leaves degraded mode. Callers
+replica wrote meanwhile), deletions are replayed, and the store leaves degraded mode; calls
+arriving while that push runs wait for it (at most ``retry_s``) rather than answer from the local
+view, which lacks the sessions other replicas served. Callers
 never see a Redis error; ``degraded`` and the metrics say what is happening.
 
 Redis data loss: a Redis that restarts without persistence comes back empty, and a replica may
@@ -30,9 +32,11 @@ epoch marker in Redis (``<prefix>epoch``, set once by whichever replica writes i
 it beside every record it misses. A missing or changed marker means Redis lost what it held: the
 store writes a new marker (or adopts the one another replica just wrote) and pushes every live
 record of its local view back (with what is left of its TTL; a newer record another replica wrote
-meanwhile wins), then reads again; every store also watches the marker every ``retry_s``, and a
+meanwhile wins, but a copy only hints made, on a replica that missed the session, never
+replaces one a turn placed), then reads again; every store also watches the marker every ``retry_s``, and a
 miss within ``2 * retry_s`` of a loss waits one watch period for the other replicas' records
-before it answers. So a session's next turn keeps the home a replica knew, and a Responses chain
+before it answers (so does a miss of a store that started while Redis was down, once it finds
+the marker missing). So a session's next turn keeps the home a replica knew, and a Responses chain
 its owner. (A session another replica deleted before the loss may come back
 until its TTL: the store holds soft state.)
 """
@@ -56,7 +60,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
-from gateway.core.sessions import Mutation, SessionRecord, SessionTable, namespace_of
+from gateway.core.sessions import Mutation, SessionRecord, SessionTable, hints_only, namespace_of, reconcile
 from gateway.errors import Refused
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.tasks import cancel_and_wait
@@ -344,13 +348,26 @@ class RedisSessionStore:
     async def _either(
         self, op: str, remote: Callable[[], Awaitable[T]], local: Callable[[], Awaitable[T]]
     ) -> T:
-        if self.degraded and not await self._try_recover():
+        if self.degraded and not await self._try_recover() and not await self._recovered():
             return await self._fallback(op, local)
         try:
             return await remote()
         except OUTAGE_ERRORS as exc:
             self._enter_degraded(exc)
             return await self._fallback(op, local)
+
+    async def _recovered(self) -> bool:
+        """Another task is pushing the local view back (Redis answers again): wait for it, at
+        most ``retry_s``, rather than answer from the local view, which misses every session
+        another replica served (their records are coming back to Redis meanwhile)."""
+        if not self._recovering.locked():
+            return False
+        try:
+            async with asyncio.timeout(self.retry_s), self._recovering:
+                pass
+        except TimeoutError:
+            return False
+        return not self.degraded
 
     async def _fallback(self, op: str, local: Callable[[], Awaitable[T]]) -> T:
         self.fallbacks += 1
@@ -384,7 +401,9 @@ class RedisSessionStore:
                 await self.redis.ping()
                 epoch = await self.redis.get(self._epoch_key)
                 if epoch is None or epoch != self._epoch:
-                    await self._reseed()  # it came back empty: the whole local view, not only the writes
+                    # it came back empty: the whole local view, not only the writes; a loss even
+                    # for a store that never saw a marker (it started while Redis was down)
+                    await self._reseed(loss=True)
                 while self._dirty:
                     session_id, rec = next(iter(self._dirty.items()))
                     left_ms = (
@@ -418,23 +437,29 @@ class RedisSessionStore:
 
     async def _get(self, session_id: str) -> SessionRecord | None:
         raw, epoch = await self.redis.mget([self._key(session_id), self._epoch_key])
-        if raw is None and (epoch is None or epoch != self._epoch):
+        if epoch is None or epoch != self._epoch:
+            # also when the record is there: another replica may have written it since the loss
+            # (hints for a session it did not know) before this one pushed its copy back
             await self._reseed()
             raw = await self.redis.get(self._key(session_id))
-        if raw is None and self._loss_at is not None and self.clock() - self._loss_at < 2 * self.retry_s:
+        rec = SessionRecord.from_dict(orjson.loads(raw)) if raw is not None else None
+        recent = self._loss_at is not None and self.clock() - self._loss_at < 2 * self.retry_s
+        if recent and (rec is None or hints_only(rec)):
             # Redis lost its data a moment ago: the other replicas push their local views back
-            # within their next epoch watch (every retry_s); a record only they held is missed now
+            # within their next epoch watch (every retry_s); a record only they held is missed
+            # now, or found as only the hints another replica took meanwhile
             await asyncio.sleep(1.2 * self.retry_s)
             raw = await self.redis.get(self._key(session_id))
-        if raw is None:
-            return None
-        return SessionRecord.from_dict(orjson.loads(raw))
+            rec = SessionRecord.from_dict(orjson.loads(raw)) if raw is not None else None
+        return rec
 
-    async def _reseed(self) -> None:
+    async def _reseed(self, loss: bool = False) -> None:
         """Redis holds no epoch marker, or another than this store last saw: it lost its data
         (or this store is new). Adopt the marker (writing one if there is none) and push every
         live record of the local view back, so that a miss of a record this replica knew is not
-        answered as a new session."""
+        answered as a new session. ``loss``: found on recovering from an outage, so a data loss
+        even when this store had seen no marker yet (it started while Redis was down): its
+        misses wait for the other replicas' records too."""
         async with self._reseeding:
             current: bytes | str | None = await self.redis.get(self._epoch_key)
             if current is not None and current == self._epoch:
@@ -450,8 +475,9 @@ class RedisSessionStore:
                     pushed += 1
             first = self._epoch is None
             self._epoch = current
-            if not first:
+            if loss or not first:
                 self._loss_at = self.clock()
+            if not first:
                 self.reseeds += 1
                 log.warning("session store: Redis lost its data; %d live sessions pushed back", pushed)
                 if self.metrics is not None:
@@ -536,11 +562,10 @@ class RedisSessionStore:
 
 
 def _newer(rec: SessionRecord) -> Mutation:
-    """Resync merge: write the local record unless Redis holds a more recent one."""
+    """Resync merge: write the local record unless Redis holds a more recent one (a copy only
+    hints made never wins over one a turn placed: :func:`~gateway.core.sessions.reconcile`)."""
 
     def merge(remote: SessionRecord | None) -> SessionRecord | None:
-        if remote is not None and remote.last_activity > rec.last_activity:
-            return None
-        return rec
+        return reconcile(rec, remote)
 
     return merge

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from gateway.core.block_hash import HashChain, common_prefix_len, hash_tokens, none_hash
-from gateway.core.sessions import SessionRecord, SessionTable
+from gateway.core.sessions import SessionRecord, SessionTable, reconcile
 
 
 def test_session_table_ttl_and_lru_capacity() -> None:
@@ -59,3 +59,28 @@ def test_common_prefix_len() -> None:
     assert common_prefix_len([], [1]) == 0
     assert common_prefix_len("abcdef", "abcdxx") == 4
     assert common_prefix_len(list(range(1000)), list(range(1000))) == 1000
+
+
+def test_reconcile_keeps_the_newer_copy_but_never_lets_hints_erase_a_home() -> None:
+    def placed(t: float) -> SessionRecord:
+        return SessionRecord("s", home="e1", pool="p", turns=3, created=0.0, last_activity=t)
+
+    hinted = SessionRecord("s", created=9.0, last_activity=9.0, expected_gap_s=40.0)
+    assert reconcile(placed(1.0), None) is not None
+    assert reconcile(placed(1.0), placed(2.0)) is None  # the store's is newer: left
+    newer = placed(3.0)
+    assert reconcile(newer, placed(2.0)) is newer
+    # a replica that missed the session took hints for it meanwhile (a newer, homeless copy)
+    kept = reconcile(placed(1.0), hinted)
+    assert kept is not None and (kept.home, kept.turns, kept.expected_gap_s, kept.last_activity) == (
+        "e1",
+        3,
+        40.0,
+        9.0,
+    )
+    # and the other way round: the store holds the placed copy, the local view only the hints
+    store = placed(1.0)
+    out = reconcile(SessionRecord("s", created=9.0, last_activity=9.0, expected_gap_s=5.0), store)
+    assert out is store and (out.home, out.expected_gap_s) == ("e1", 5.0)
+    # two copies of hints only, or an ended one: the newer wins as before
+    assert reconcile(SessionRecord("s", last_activity=1.0), hinted) is None

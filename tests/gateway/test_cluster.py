@@ -196,3 +196,23 @@ async def test_a_starting_engine_that_accepts_but_does_not_answer_stays_out_even
         await cluster.probe_once()
     assert cluster.panicking() == {"p": True}
     assert cluster.routable("a") and not cluster.routable("b")
+
+
+def test_a_refused_owner_is_gone_unless_a_response_was_stored_on_it_since() -> None:
+    """Another replica stored a response on an engine this replica last saw refusing (it
+    restarted; this replica's probes have not seen it yet): a 503 to retry, not not-found."""
+    from gateway.errors import Refused
+
+    now = [100.0]
+    c = Cluster(load_config(None, **CFG), httpx.AsyncClient(), clock=lambda: now[0])
+    c.record_probe("a", True)
+    c.record_connect_failure("a")  # refused at 100
+    assert c.engines["a"].refused and c.engines["a"].refused_at == 100.0
+    c.owner_unavailable("a", "previous_response_id", stored_at=99.0)  # stored before: gone
+    c.owner_unavailable("a", "previous_response_id")  # no record time: gone
+    with pytest.raises(Refused) as e:
+        c.owner_unavailable("a", "previous_response_id", stored_at=101.0)
+    assert e.value.code == "owner_unavailable" and "restarted" in str(e.value)
+    now[0] = 102.0
+    c.record_probe("a", False, refused=True)  # refused again, after that response: gone now
+    c.owner_unavailable("a", "previous_response_id", stored_at=101.0)

@@ -310,3 +310,87 @@ async def test_a_replica_pushes_its_view_back_when_another_finds_redis_empty(rp:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_calls_during_the_push_back_wait_for_it_instead_of_the_local_view(rp: RedisProcess) -> None:
+    """Redis answers again and the store is pushing its view back: a call arriving meanwhile
+    waits for the push and reads Redis, which holds a session another replica served (the local
+    view does not: answered from it, the turn would have routed as a new session's)."""
+    clock = Clock()
+    a = RedisSessionStore(rp.url, 100, 3600, clock=clock, retry_s=1.0)
+    b = RedisSessionStore(rp.url, 100, 3600)
+    try:
+        await a.put(rec("mine", 0.0))
+        rp.stop()
+        await a.put(rec("mine", 1.0, turns=1))
+        assert a.degraded
+        rp.start()
+        await b.put(rec("theirs", 1.0, turns=6))  # another replica, once Redis is back
+        clock.t += 1.0
+        push = asyncio.create_task(a.probe())
+        await asyncio.sleep(0)  # the push holds the recovery lock, awaiting Redis
+        got = await a.get("theirs", clock.t)
+        assert not await push
+        assert got is not None and got.turns == 6 and a.fallbacks == 1  # only the put above
+        assert stored(rp, "mine")["turns"] == 1  # type: ignore[index]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_store_started_while_redis_was_down_waits_for_the_others_views(rp: RedisProcess) -> None:
+    """A replica (re)started while Redis was down has no marker to compare: when Redis answers
+    again, empty, its misses still wait for the replicas that held the sessions to push them
+    back (they notice the loss at their next epoch watch), instead of answering new session."""
+    clock = Clock()
+    b = RedisSessionStore(rp.url, 100, 3600, retry_s=0.1)
+    a = None
+    try:
+        await b.put(rec("only_b", time.time(), turns=4))
+        rp.stop()
+        a = RedisSessionStore(rp.url, 100, 3600, clock=clock, retry_s=1.0)
+        assert await a.get("only_b", 0.0) is None and a.degraded  # Redis down, nothing local
+        rp.start()  # empty
+        clock.t += 1.0
+        assert not await a.probe()  # recovered: the marker was missing, a wrote a new one
+        b.start()  # b notices the new marker within its watch period and pushes only_b back
+        got = await a.get("only_b", clock.t)
+        assert got is not None and got.turns == 4
+        assert b.reseeds == 1
+    finally:
+        if a is not None:
+            await a.close()
+        await b.close()
+
+
+async def test_hints_a_replica_took_for_a_session_it_missed_do_not_erase_its_home(rp: RedisProcess) -> None:
+    """Redis restarted empty; before replica a pushes its view back, replica b takes hints for a
+    session only a knew (``POST .../hints`` makes a homeless record, more recent than a's). The
+    push keeps a's placed record, with b's hints, and a read that finds only hints so soon after
+    the loss waits for the push: the session's next turn keeps its home."""
+    a = RedisSessionStore(rp.url, 100, 3600, retry_s=0.2)
+    b = RedisSessionStore(rp.url, 100, 3600, retry_s=0.2)
+    now = time.time()
+
+    def hint(r: SessionRecord | None) -> SessionRecord:
+        r = r or SessionRecord("s", created=now + 1, last_activity=now + 1)
+        r.expected_gap_s, r.last_activity = 30.0, now + 1
+        return r
+
+    try:
+        await a.put(rec("s", now, turns=3))
+        assert await b.get("other", now) is None  # b has read the marker
+        rp.stop()
+        rp.start()  # empty
+        for _ in range(20):  # b's first call may find its pooled connection dead (degraded)
+            await b.update("s", now + 1, hint)
+            if not b.degraded:
+                break
+            await asyncio.sleep(0.25)
+        assert not b.degraded and stored(rp, "s")["home"] is None  # type: ignore[index]  # hints only
+        got = await a.get("s", now + 1)  # a finds the loss and pushes its view back
+        assert got is not None and (got.home, got.turns, got.expected_gap_s) == ("e0", 3, 30.0)
+        assert stored(rp, "s")["home"] == "e0"  # type: ignore[index]
+    finally:
+        await a.close()
+        await b.close()
