@@ -216,6 +216,8 @@ class RedisSessionStore:
         self._retry_at = 0.0
         self._dirty: OrderedDict[str, SessionRecord | None] = OrderedDict()  # None: deleted
         self._recovering = asyncio.Lock()
+        self._pushing = False
+        """A recovery found Redis answering and is pushing the local view back."""
         self._epoch_key = f"{prefix}epoch"
         self._epoch: bytes | str | None = None
         """The epoch marker this store last saw in Redis (None: not read yet)."""
@@ -360,7 +362,7 @@ class RedisSessionStore:
         """Another task is pushing the local view back (Redis answers again): wait for it, at
         most ``retry_s``, rather than answer from the local view, which misses every session
         another replica served (their records are coming back to Redis meanwhile)."""
-        if not self._recovering.locked():
+        if not self._pushing:  # no push, or still trying whether Redis answers: no wait
             return False
         try:
             async with asyncio.timeout(self.retry_s), self._recovering:
@@ -399,6 +401,7 @@ class RedisSessionStore:
         async with self._recovering:
             try:
                 await self.redis.ping()
+                self._pushing = True  # Redis answers: calls wait for the push (_recovered)
                 epoch = await self.redis.get(self._epoch_key)
                 if epoch is None or epoch != self._epoch:
                     # it came back empty: the whole local view, not only the writes; a loss even
@@ -419,6 +422,8 @@ class RedisSessionStore:
             except (*OUTAGE_ERRORS, SessionStoreBusy) as exc:
                 self._enter_degraded(exc)
                 return False
+            finally:
+                self._pushing = False
             self.degraded = False
             self.resyncs += 1
             log.warning("session store: Redis is back; local writes resynchronised")

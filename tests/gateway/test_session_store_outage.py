@@ -320,19 +320,22 @@ async def test_calls_during_the_push_back_wait_for_it_instead_of_the_local_view(
     a = RedisSessionStore(rp.url, 100, 3600, clock=clock, retry_s=1.0)
     b = RedisSessionStore(rp.url, 100, 3600)
     try:
-        await a.put(rec("mine", 0.0))
+        for i in range(200):  # a local view that takes a while to push back
+            await a.put(rec(f"mine{i}", 0.0))
         rp.stop()
-        await a.put(rec("mine", 1.0, turns=1))
+        await a.put(rec("mine0", 1.0, turns=1))
         assert a.degraded
         rp.start()
         await b.put(rec("theirs", 1.0, turns=6))  # another replica, once Redis is back
         clock.t += 1.0
         push = asyncio.create_task(a.probe())
-        await asyncio.sleep(0)  # the push holds the recovery lock, awaiting Redis
+        while not a._pushing:  # Redis answered the recovery's ping: the push runs
+            assert not push.done()
+            await asyncio.sleep(0)
         got = await a.get("theirs", clock.t)
         assert not await push
         assert got is not None and got.turns == 6 and a.fallbacks == 1  # only the put above
-        assert stored(rp, "mine")["turns"] == 1  # type: ignore[index]
+        assert stored(rp, "mine0")["turns"] == 1  # type: ignore[index]
     finally:
         await a.close()
         await b.close()
