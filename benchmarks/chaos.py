@@ -47,7 +47,10 @@ What counts as a violation (exit status 1):
   apart (``lost_home_with_replica``); and one routed while Redis was down or restarted empty and
   not yet refilled (from the restart until every replica is out of degraded mode): the replica
   that served it routed on its own local view, which need not hold a session another replica
-  served (the store's degraded mode); reported apart (``lost_home_store_down``).
+  served (the store's degraded mode); reported apart (``lost_home_store_down``). A turn counts
+  at the time it was sent (its replica routes it on arrival; the answer can come seconds later,
+  after an engine paused under it); the report lists each lost home (``lost_homes``: when,
+  session, the replica of the turn before and of this one) to find them in the replicas' logs.
 
     flock /tmp/agentgw-engines.lock python -m benchmarks.chaos --repeats 3
     python -m benchmarks.chaos --engines stand-in --duration 40 --repeats 1   # the CI form
@@ -227,14 +230,59 @@ def _sum(text: str, name: str, where: Callable[[str], bool] = lambda _: True) ->
     return total
 
 
-async def moves_in_flight(http: aiohttp.ClientSession, d: Deployment) -> float:
-    """Planner moves started and not yet ended, over every live replica (``agentgw_moves_total``)."""
-    total = 0.0
-    for r in d.replicas:
-        text = await _metrics(http, r.url)
-        started = _sum(text, "agentgw_moves_total", lambda ln: 'outcome="started"' in ln)
-        total += started - _sum(text, "agentgw_moves_total", lambda ln: 'outcome="started"' not in ln)
-    return total
+async def move_running(
+    http: aiohttp.ClientSession, d: Deployment, sid: str, deadline: float
+) -> dict[str, Any] | None:
+    """The session's planned move as the replica that planned it shows it (the session API's
+    ``migration``), as soon as it runs or has ended; None when none shows one by ``deadline``
+    or within 10 s."""
+    stop = min(deadline, time.monotonic() + 10)
+    while time.monotonic() < stop:
+        for r in d.replicas:
+            try:
+                async with http.get(f"{r.url}/v1/agent/sessions/{sid}") as resp:
+                    body = await resp.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+            m = body.get("migration") if isinstance(body, dict) else None
+            if isinstance(m, dict) and m.get("kind") in ("move", "replicate"):
+                return m
+        await asyncio.sleep(0.02)
+    return None
+
+
+async def provoke_move(
+    http: aiohttp.ClientSession, d: Deployment, engine: str, deadline: float, attempt: int = 0
+) -> str:
+    """Start a planner move off ``engine``: a session homed there announces a fan-out
+    (``agent_hints.fan_out``), so the planner replicates its prefix to other engines before the
+    subagents arrive. New sessions are opened until one lands on ``engine`` (at most 8). Returns
+    the session id, or "" when none landed there before ``deadline``."""
+    history = [{"role": "system", "content": SYSTEM * 24}]  # a prefix of some blocks to move
+    for k in range(8):
+        if time.monotonic() >= deadline:
+            break
+        sid = f"chaos-move-{attempt}-{k}"
+        msgs = [*history, {"role": "user", "content": f"task {k}: read the repository and plan"}]
+        body: dict[str, Any] = {"model": d.model, "messages": msgs, "max_tokens": 8, "temperature": 0}
+        body["agent_hints"] = {"session_id": sid}
+        try:
+            async with http.post(d.nginx.url + "/v1/chat/completions", json=body) as r:
+                got = await r.json(content_type=None)
+                landed = r.headers.get("x-agentgw-engine")
+            if r.status != 200 or landed != engine:
+                continue
+            text = got["choices"][0]["message"]["content"] or "ok"
+            msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "spawn 2 explorers"}]
+            body["messages"] = msgs
+            body["agent_hints"] = {"session_id": sid, "fan_out": 2}
+            async with http.post(d.nginx.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                if r.status == 200:
+                    return sid
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
+            continue
+    return ""
 
 
 async def recovered(http: aiohttp.ClientSession, d: Deployment, engine: str | None) -> bool:
@@ -266,6 +314,8 @@ class FaultRecord:
     note: str = ""
     target: str = ""
     """The part it hit (a replica's address)."""
+    stuck: str = ""
+    """What the fault left hanging after its recovery (a move still running on a dead engine)."""
 
 
 async def run_fault(
@@ -331,16 +381,24 @@ async def schedule(
         )
     )
     await at(0.40)
-    note = "no moves (stand-in engines)"
+    note, sid = "no moves (stand-in engines)", ""
     if moves:
         deadline = time.monotonic() + 40
         note = "no move in flight within 40 s"
-        while time.monotonic() < deadline:
-            n = await moves_in_flight(http, d)
-            if n > 0:
-                note = f"{n:g} move(s) in flight"
+        # the chaos sessions' own moves come rarely at this point of a run, and seldom off the
+        # engine about to die: provoke one (a fan-out replicating a prefix that engine holds) and
+        # kill the engine while the session's move is running
+        for attempt in range(3):
+            sid = await provoke_move(http, d, killed.name, deadline, attempt)
+            if not sid:
+                note += f" (no probe session landed on {killed.name})"
                 break
-            await asyncio.sleep(0.1)
+            m = await move_running(http, d, sid, deadline)
+            if m is not None and m["state"] == "running":
+                note = f"{m['kind']} of {sid} from {m['source']} to {', '.join(m['targets'])} in flight"
+                break
+            note = f"{sid}'s move: {m['state'] if m else 'none planned'} before it could be hit"
+            sid = ""
     r4 = FaultRecord(f"SIGKILL engine {killed.name} during a move", 0.0, note=note)
     tasks.append(
         asyncio.create_task(run_fault(http, d, r4, killed.kill, killed.restart, 2.0, engine=killed.name))
@@ -350,6 +408,12 @@ async def schedule(
     r5 = FaultRecord("SIGKILL mooncake_master, restart (no keys)", 0.0)
     tasks.append(asyncio.create_task(run_fault(http, d, r5, mc.kill, mc.start, 3.0)))
     await asyncio.gather(*tasks)
+    if moves and sid:  # the move the kill hit must have ended (failed or cancelled), not hang
+        m = await move_running(http, d, sid, time.monotonic() + 10)
+        state = m["state"] if m is not None else "gone"
+        r4.note += f"; then {state}" + (f" ({m['error']})" if m is not None and m.get("error") else "")
+        if state == "running":
+            r4.stuck = f"the move of {sid} still running after its engine's recovery"
     out += [r1, r2, r3, r4, r5]
 
 
@@ -430,6 +494,8 @@ async def chain(
                 else:
                     ch.broken += 1
                     t.event("chain_broken", prev[3] if prev is not None else "")
+                    if prev is not None:  # which engine and replica the broken link followed
+                        ch.last_errors.append((0, f"after {prev[0]} on {prev[1]} via {prev[3]}"))
                     key = f"status {status}"
                     ch.reasons[key] = ch.reasons.get(key, 0) + 1
                 break
@@ -536,6 +602,7 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
                 "recover_s": round(f.recovered - f.at, 1) if f.recovered else None,
                 "in_window": counts,
                 "note": f.note,
+                "stuck": f.stuck,
             }
         )
     return {
@@ -560,6 +627,16 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         "chain_retries": chains.retries,
         "rss_peak_mib": {k: round(v, 1) for k, v in sorted(peak.items())},
         "faults": rows,
+        "lost_homes": [
+            {
+                "at_s": round(when - t0, 2),
+                "wall": time.strftime("%H:%M:%S", time.localtime(wall)) + f"{wall % 1:.3f}"[1:],
+                "session": sid,
+                "before": before,
+                "now": now,
+            }
+            for when, wall, sid, before, now in t.lost_homes
+        ],
         "reasons": dict(t.reasons.most_common(12)),
     }
 
@@ -583,6 +660,8 @@ def violations(r: dict[str, Any]) -> list[str]:
     for f in r["faults"]:
         if f["recover_s"] is None:
             out.append(f"{f['fault']}: not recovered within 300 s")
+        if f.get("stuck"):
+            out.append(f"{f['fault']}: {f['stuck']}")
     return out
 
 
@@ -655,6 +734,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"run {i + 1}: violations: {report['violations'] or 'none'}; reasons: {report['reasons']}",
                 flush=True,
             )
+            for lost in report["lost_homes"]:
+                print(f"  lost home: {lost}", flush=True)
+            if report["chains_broken"]:
+                print(f"  chain errors: {report['chain_errors']}", flush=True)
     finally:
         d.stop()
     print(table(runs))

@@ -155,6 +155,9 @@ class Tally:
     """Sessions left idle (id -> monotonic time of their last request's end)."""
     lost_home: int = 0
     """Later turns of a session routed as a new session's first (the gateway no longer knew it)."""
+    lost_homes: list[tuple[float, float, str, str, str]] = field(default_factory=list)
+    """Each lost home (the first 64): monotonic and wall-clock time it was sent, session id, the
+    replica of its turn before and of this turn (to find both in the replicas' logs)."""
     last_upstream: dict[str, str] = field(default_factory=dict)
     """Behind a balancer: the replica that served each session's last turn (``X-Upstream-Addr``)."""
     events: list[tuple[float, str, str]] = field(default_factory=list)
@@ -162,10 +165,10 @@ class Tally:
     ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (a chaos run charges
     each to the fault whose window it fell in), with the replica that served it behind a balancer."""
 
-    def event(self, kind: str, upstream: str = "") -> None:
+    def event(self, kind: str, upstream: str = "", when: float | None = None) -> None:
         """``upstream``: the balancer's ``X-Upstream-Addr`` of the answer (the replica(s) that
-        served it), when it came through one."""
-        self.events.append((time.monotonic(), kind, upstream))
+        served it), when it came through one. ``when``: the event's monotonic time, if not now."""
+        self.events.append((time.monotonic() if when is None else when, kind, upstream))
 
     def note(self, reason: str) -> None:
         if len(self.reasons) < 64 or reason in self.reasons:
@@ -224,7 +227,12 @@ async def turn(
             if later and r.headers.get("x-agentgw-reason") == "new_session":
                 t.lost_home += 1
                 # the replica that served the turn before (it alone may have held the session)
-                t.event("lost_home", t.last_upstream.get(sid, ""))
+                # at the time it was sent: the replica routes it on arrival, while its answer may
+                # come much later (an engine paused under it, a retry)
+                t.event("lost_home", t.last_upstream.get(sid, ""), when=t0)
+                if len(t.lost_homes) < 64:
+                    sent_wall = time.time() - (time.monotonic() - t0)
+                    t.lost_homes.append((t0, sent_wall, sid, t.last_upstream.get(sid, ""), upstream))
             if upstream:
                 t.last_upstream[sid] = upstream.rsplit(", ", 1)[-1]
             async for raw in r.content:
