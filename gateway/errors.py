@@ -42,12 +42,14 @@ class NoCapacity(DomainError):
 class UpstreamFailed(DomainError):
     """The engine failed before the first byte of its response (``connect``: could not be reached
     at all, after the retries; ``timed_out``: the last try ran out of time, so the engine may be
-    alive but not answering, rather than refusing or resetting the connection)."""
+    alive but not answering, rather than refusing or resetting the connection; ``refused``: the
+    connection was refused, nothing listens: the only failure that says the engine is gone)."""
 
-    def __init__(self, message: str, connect: bool, timed_out: bool = False) -> None:
+    def __init__(self, message: str, connect: bool, timed_out: bool = False, refused: bool = False) -> None:
         super().__init__(message)
         self.connect = connect
         self.timed_out = timed_out
+        self.refused = refused
 
 
 class ResponseNotFound(DomainError):

@@ -268,6 +268,7 @@ class Forwarder:
             f"could not connect to any engine of pool '{decision.pool}': {last!r}",
             True,
             timed_out=last is not None and _timeout_s(last, t) is not None,
+            refused=last is not None and _refused(last),
         )
 
     def _fallback(self, decision: Decision, tried: set[str]) -> str | None:
@@ -302,6 +303,7 @@ class Forwarder:
                 f"engine '{engine}' failed: {exc!r}",
                 isinstance(exc, CONNECT_ERRORS),
                 timed_out=isinstance(exc, (httpx.TimeoutException, TimeoutError)),
+                refused=_refused(exc),
             ) from None
         finally:
             self.cluster.end(engine)

@@ -116,16 +116,19 @@ class Placement:
         shown = shown if shown is not None else continues
         turn = prompt.turn
         h = turn.hints
+        # the owner first: its lookup may wait (a store pushing back, a search of the engines),
+        # and the engines' views are read after every wait: a view older than the owner's
+        # re-admission made a healthy owner look gone (not found, the chain ended)
+        found = await self.owners.lookup(continues) if continues is not None else None
+        if continues is not None and found is None:
+            raise ResponseNotFound(shown or "", "previous_response_id")
+        owner, since = found if found is not None else (None, None)
         now = self.clock()
         rec = await self.sessions.get(h.session_id, now) if h.session_id else None
         parent = None
         if h.parent_session_id is not None:
             parent = await self.sessions.get(h.parent_session_id, now)
         arrival = self.core.on_arrival(turn, prompt.index, rec, parent, self.cluster.views(), now)
-        found = await self.owners.lookup(continues) if continues is not None else None
-        if continues is not None and found is None:
-            raise ResponseNotFound(shown or "", "previous_response_id")
-        owner, since = found if found is not None else (None, None)
         return Analysis(prompt, arrival, owner, shown, since)
 
     def decide(self, a: Analysis) -> Decision:

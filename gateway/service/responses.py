@@ -157,9 +157,10 @@ Call = Callable[[str, str, str, bytes | None], Awaitable[tuple[int, bytes]]]
 def engine_search(engines: Callable[[], list[tuple[str, str]]], call: Call, timeout_s: float) -> Finder:
     """A :data:`Finder` that asks every engine ``engines()`` lists ((name, pool), those that may
     hold state: not removed, not refusing connections) for ``GET /v1/responses/{id}`` at once, and
-    answers with the first that has it. None when every one answered without it (vLLM's 404);
-    Refused (a 503 ``owner_unavailable`` to retry) when none had it but one did not answer within
-    ``timeout_s`` (paused or overloaded: it may be the one)."""
+    answers with the first that has it. None when every one answered without it (vLLM's 404)
+    or refused the connection (gone, its store with it); Refused (a 503 ``owner_unavailable`` to
+    retry) when none had it but one did not answer within ``timeout_s`` or failed otherwise
+    (paused, overloaded, a reset connection: it may be the one)."""
 
     async def ask(name: str, path: str, response_id: str) -> bool:
         status, body = await call(name, "GET", path, None)
@@ -184,9 +185,11 @@ def engine_search(engines: Callable[[], list[tuple[str, str]]], call: Call, time
                     exc = t.exception()
                     if exc is None and t.result():
                         return tasks[t]
-                    # refusing connections: known gone; removed meanwhile (KeyError): gone too
-                    if isinstance(exc, UpstreamFailed) and (exc.timed_out or not exc.connect):
-                        silent.append(tasks[t][0])  # alive but not answering, or cut mid-answer
+                    # refusing connections: known gone; removed meanwhile (KeyError): gone too;
+                    # a timeout, a reset or a request it could not be sent (a stale keep-alive
+                    # connection under load) says nothing: alive but not answering now
+                    if isinstance(exc, UpstreamFailed) and not exc.refused:
+                        silent.append(tasks[t][0])
             silent += [tasks[t][0] for t in pending]
         finally:
             for t in tasks:

@@ -33,11 +33,16 @@ class Engines:
     or never answers."""
 
     def __init__(
-        self, held: dict[str, set[str]], refusing: Collection[str] = (), silent: Collection[str] = ()
+        self,
+        held: dict[str, set[str]],
+        refusing: Collection[str] = (),
+        silent: Collection[str] = (),
+        resetting: Collection[str] = (),
     ):
         self.held = held
         self.refusing = refusing
         self.silent = silent
+        self.resetting = resetting
         self.calls: list[tuple[str, str, str]] = []
         self.outcomes: Counter[str] = Counter()
 
@@ -47,7 +52,9 @@ class Engines:
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         self.calls.append((engine, method, path))
         if engine in self.refusing:
-            raise UpstreamFailed(f"engine '{engine}' failed: ConnectError", True)
+            raise UpstreamFailed(f"engine '{engine}' failed: ConnectionRefused", True, refused=True)
+        if engine in self.resetting:  # a stale keep-alive connection: the request never got out
+            raise UpstreamFailed(f"engine '{engine}' failed: ReadError", True)
         if engine in self.silent:
             await asyncio.sleep(3600)
         rid = path.rsplit("/", 1)[1]
@@ -163,3 +170,56 @@ def test_the_gateway_searches_only_without_tenants() -> None:
     assert _service_finds(_config())
     assert not _service_finds(_config(tenants=[{"name": "t", "key_sha256": ["0" * 64]}]))
     assert not _service_finds(_config({"discover_response_owners": False}))
+
+
+def test_an_engine_whose_connection_broke_makes_it_a_503_but_one_refusing_is_gone() -> None:
+    """Only a refused connection says an engine is gone (its stored responses with it); a reset
+    or a request it could not be sent (under load) says nothing: a 503 to retry, not a not-found
+    that ends the chain."""
+    found, _, _ = owners(Engines({"e1": set(), "e2": set()}, resetting={"e2"}))
+
+    async def run() -> None:
+        with pytest.raises(Refused) as exc:
+            await found.owner(RID)
+        assert exc.value.code == "owner_unavailable" and "'e2'" in str(exc.value)
+
+    asyncio.run(run())
+    gone, _, _ = owners(Engines({"e1": set(), "e2": set()}, refusing={"e2"}))
+    assert asyncio.run(gone.owner(RID)) is None
+
+
+def test_the_engines_are_read_after_the_owner_lookup_so_a_readmission_meanwhile_is_seen() -> None:
+    """The owner's lookup may wait (its store pushing back after an outage, a search): an owner
+    re-admitted during that wait is the turn's engine, not gone (the views used to be read
+    before the lookup: a healthy owner then looked gone and the chain ended not-found)."""
+    from gateway.api.responses_routes import parse
+
+    engines = [{"name": f"e{i}", "url": f"http://127.0.0.1:{9 + i}", "model": "m"} for i in (1, 2)]
+    config = GatewayConfig.model_validate({"pools": [{"name": "p", "role": "any", "engines": engines}]})
+
+    async def run() -> str:
+        upstream = make_upstream(config, None)
+        try:
+            cluster = Cluster(config, upstream.http)
+            cluster.record_probe("e1", True)
+            cluster.record_probe("e2", True)  # e2 up: no panic mode keeping e1 in the views
+            cluster.record_connect_failure("e1", refused=False)  # ejected (a reset), not gone
+            store = MemorySessionStore(config.sessions.capacity, config.sessions.ttl_s)
+            service = GatewayService(
+                config, upstream, cluster, Router(config.router_params()), GatewayMetrics(), store
+            )
+            owners_ = service.placement.owners
+
+            async def lookup(response_id: str, field: str = "previous_response_id") -> tuple[str, float]:
+                assert not cluster.engines["e1"].healthy
+                cluster.engines["e1"].healthy = True  # re-admitted while the lookup waited
+                return "e1", 1.0
+
+            owners_.lookup = lookup  # type: ignore[method-assign]
+            body = b'{"model": "m", "input": "next", "previous_response_id": "%s"}' % RID.encode()
+            a = await service.analyze(parse(body), [])
+            return service.decide(a).engine
+        finally:
+            await upstream.http.aclose()
+
+    assert asyncio.run(run()) == "e1"
