@@ -47,7 +47,9 @@ What counts as a violation (exit status 1):
   apart (``lost_home_with_replica``); and one routed while Redis was down or restarted empty and
   not yet refilled (from the restart until every replica is out of degraded mode): the replica
   that served it routed on its own local view, which need not hold a session another replica
-  served (the store's degraded mode); reported apart (``lost_home_store_down``). A turn counts
+  served (the store's degraded mode), or routed by a replica that answered it with
+  ``x-agentgw-session-store: local`` (its store was down then, as when the loaded Redis times
+  out); reported apart (``lost_home_store_down``). A turn counts
   at the time it was sent (its replica routes it on arrival; the answer can come seconds later,
   after an engine paused under it); the report lists each lost home (``lost_homes``: when,
   session, the replica of the turn before and of this one) to find them in the replicas' logs.
@@ -567,22 +569,24 @@ async def drive(d: Deployment, args: argparse.Namespace, seed: int) -> dict[str,
         if kind == "cut_silently" and through_killed(when, upstream.rsplit(", ", 1)[-1])
     )
 
+    lost = ("lost_home", "lost_home_local")
     # a home lost with the killed replica's record of the session
-    lost_with_replica = sum(
-        1 for when, kind, up in t.events if kind == "lost_home" and through_killed(when, up)
-    )
+    lost_with_replica = sum(1 for when, kind, up in t.events if kind in lost and through_killed(when, up))
     # a home lost while Redis was down or empty and not yet refilled (from its restart until
     # every replica was ready again, out of degraded mode): the replica that served the turn
     # had only its own local view, which may not hold a session another replica served before
+    # ... and one the replica placed on its own view because its store was down then, the
+    # injected restart or a Redis that timed out under the load (x-agentgw-session-store: local)
     redis_fault = next((f for f in faults if f.fault.startswith("restart redis")), None)
-    lost_store_down = 0
-    if redis_fault is not None:
-        end = redis_fault.recovered or redis_fault.back or redis_fault.at
-        lost_store_down = sum(
-            1
-            for when, kind, upstream in t.events
-            if kind == "lost_home" and redis_fault.at <= when <= end and not through_killed(when, upstream)
-        )
+    start = redis_fault.at if redis_fault is not None else float("inf")
+    end = (redis_fault.recovered or redis_fault.back or redis_fault.at) if redis_fault is not None else 0.0
+    lost_store_down = sum(
+        1
+        for when, kind, upstream in t.events
+        if kind in lost
+        and not through_killed(when, upstream)
+        and (kind == "lost_home_local" or start <= when <= end)
+    )
     # a chain broken with the killed replica's record of its last response's engine
     chains_with_replica = sum(
         1 for when, kind, up in t.events if kind == "chain_broken" and through_killed(when, up)

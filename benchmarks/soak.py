@@ -162,7 +162,8 @@ class Tally:
     """Behind a balancer: the replica that served each session's last turn (``X-Upstream-Addr``)."""
     events: list[tuple[float, str, str]] = field(default_factory=list)
     """(monotonic time, kind) of every request that did not end ok: ``cut_silently``,
-    ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (a chaos run charges
+    ``failed_before_start``, ``cut_with_error``, ``refused``, ``lost_home`` (``lost_home_local``:
+    placed on a replica's own view while its session store was down; a chaos run charges
     each to the fault whose window it fell in), with the replica that served it behind a balancer."""
 
     def event(self, kind: str, upstream: str = "", when: float | None = None) -> None:
@@ -228,8 +229,11 @@ async def turn(
                 t.lost_home += 1
                 # the replica that served the turn before (it alone may have held the session)
                 # at the time it was sent: the replica routes it on arrival, while its answer may
-                # come much later (an engine paused under it, a retry)
-                t.event("lost_home", t.last_upstream.get(sid, ""), when=t0)
+                # come much later (an engine paused under it, a retry); "local": that replica's
+                # session store was down, so it placed the turn on its own view alone
+                local = r.headers.get("x-agentgw-session-store") == "local"
+                kind = "lost_home_local" if local else "lost_home"
+                t.event(kind, t.last_upstream.get(sid, ""), when=t0)
                 if len(t.lost_homes) < 64:
                     sent_wall = time.time() - (time.monotonic() - t0)
                     t.lost_homes.append((t0, sent_wall, sid, t.last_upstream.get(sid, ""), upstream))

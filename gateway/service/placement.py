@@ -48,6 +48,9 @@ class Analysis:
     namespaced id is the gateway's own)."""
     owner_since: float | None = None
     """When a replica recorded that the owner stored it."""
+    store_local: bool = False
+    """The session store was degraded: the turn was placed on this replica's local view, which
+    lacks the sessions other replicas served (``x-agentgw-session-store: local``)."""
 
     @property
     def hints(self) -> AgentHints:
@@ -129,7 +132,8 @@ class Placement:
         if h.parent_session_id is not None:
             parent = await self.sessions.get(h.parent_session_id, now)
         arrival = self.core.on_arrival(turn, prompt.index, rec, parent, self.cluster.views(), now)
-        return Analysis(prompt, arrival, owner, shown, since)
+        local = h.session_id is not None and self.sessions.degraded
+        return Analysis(prompt, arrival, owner, shown, since, local)
 
     def decide(self, a: Analysis) -> Decision:
         if a.owner is not None:

@@ -220,6 +220,8 @@ class _Turn:
         local = self.tenant.local_id(sid) if sid is not None else None
         if local is not None:
             out.append((b"x-agentgw-session", local.encode()))
+        if self.analysis.store_local:  # placed on this replica's view alone (the store was down)
+            out.append((b"x-agentgw-session-store", b"local"))
         return out + self.extra_headers
 
 

@@ -212,11 +212,13 @@ def test_gateway_keeps_routing_with_redis_stopped(rp: RedisProcess) -> None:
                     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
                     return c.post("/v1/chat/completions", json=body, headers={"x-session-id": sid})
 
-                assert chat("s1").status_code == 200
+                ok = chat("s1")
+                assert ok.status_code == 200 and "x-agentgw-session-store" not in ok.headers
                 assert c.get("/ready").json()["degraded"] is False
                 rp.stop()
                 r = chat("s1")
                 assert r.status_code == 200, r.text
+                assert r.headers["x-agentgw-session-store"] == "local"  # placed on the local view
                 assert chat("s2").status_code == 200
                 ready = c.get("/ready")
                 assert ready.status_code == 200 and ready.json()["degraded"] is True
