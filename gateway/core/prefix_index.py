@@ -11,6 +11,20 @@ property tests compare against.
 
 Bounded: each engine keeps at most ``capacity_per_engine`` blocks; beyond that the least
 recently stored are forgotten (an engine cannot hold more than its KV capacity anyway).
+
+Recency: by default every store moves the whole chain it extends to the recent end (a strict
+LRU). That costs O(context) per turn, and it is memory-bound: a 1,200-block chain in an index of a
+million blocks took ~270 us of the event loop, for an order that matters only once the index is
+full. With ``recency_slack`` > 0 each block also carries a floor: a store count at or before which
+every block of its chain, from the head to it, was last moved to the recent end. A turn whose
+held part ends in a block with a floor fewer than ``recency_slack`` stores old adds only its new
+blocks (they inherit the floor); an older floor moves the whole held part as before and renews
+it. So a chain in use sits at most ``recency_slack`` stores further from the recent end than the
+strict LRU would keep it: the index behaves as a strict LRU of ``capacity_per_engine -
+recency_slack`` blocks for the chains in use. The gateway's indexes use a quarter of their
+capacity; the simulator keeps the strict order. An engine whose blocks were ever removed (KV
+events' ``BlockRemoved``: a hole can open inside a held chain, which only the strict path refills)
+keeps the strict order; the index fed by routing decisions never removes.
 """
 
 from __future__ import annotations
@@ -23,11 +37,18 @@ from gateway.core.types import Medium, PrefixMatch
 
 
 class PrefixIndex:
-    def __init__(self, capacity_per_engine: int = 1 << 20) -> None:
+    def __init__(self, capacity_per_engine: int = 1 << 20, recency_slack: int = 0) -> None:
         self.capacity_per_engine = capacity_per_engine
+        self.recency_slack = max(0, min(recency_slack, capacity_per_engine // 2))
         self._holders: dict[int, dict[str, int]] = {}
         """block hash -> engine -> bit mask of the media holding it (bit ``1 << medium``)."""
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru: dict[str, OrderedDict[int, int]] = {}
+        """engine -> block hash -> its floor (``recency_slack``), least recently stored first."""
+        self._stores: dict[str, int] = {}
+        """engine -> blocks stored on it so far (the clock of ``recency_slack``)."""
+        self._removed_from: set[str] = set()
+        """Engines that had blocks removed (KV events): a removal can leave a hole inside a held
+        chain, which only the strict path refills, so they keep the strict order."""
         self._tiered: set[str] = set()
         """Engines that ever announced a non-GPU copy (others need one binary search, not three)."""
 
@@ -39,31 +60,49 @@ class PrefixIndex:
 
     # -- updates -------------------------------------------------------------------------------
     def apply_stored(self, engine: str, hashes: Sequence[int], medium: Medium = Medium.GPU) -> None:
-        lru = self._lru.setdefault(engine, OrderedDict())
+        lru = self._lru.get(engine)
+        if lru is None:
+            lru = self._lru[engine] = OrderedDict()
+        now = self._stores.get(engine, 0)
+        floor = now
         if medium != Medium.GPU:
             self._tiered.add(engine)
         elif engine not in self._tiered and hashes and hashes[0] in lru:
             # A turn that extends a chain this engine holds (every routed turn of a session):
             # the held part only moves to the recent end of the LRU, in C (an engine that never
-            # announced another medium holds all its blocks on the GPU, so no mask changes).
+            # announced another medium holds all its blocks on the GPU, so no mask changes), or
+            # stays where it is while its floor is within the slack.
             k = self._held(lru, hashes)
-            touch = lru.move_to_end
-            try:
-                deque(map(touch, hashes[:k]), maxlen=0)
-            except KeyError:  # a hole in the chain after all: do it block by block
-                k = 0
+            slack = self.recency_slack
+            if slack and now - lru[hashes[k - 1]] < slack and engine not in self._removed_from:
+                floor = lru[hashes[k - 1]]
+            else:
+                touch = lru.move_to_end
+                try:
+                    deque(map(touch, hashes[:k]), maxlen=0)
+                    if slack:
+                        lru.update(dict.fromkeys(hashes[:k], now))
+                except KeyError:  # a hole in the chain after all: do it block by block
+                    k = 0
             hashes = hashes[k:]
+        bit = 1 << medium
+        holders_of = self._holders
         for h in hashes:
-            holders = self._holders.setdefault(h, {})
-            holders[engine] = holders.get(engine, 0) | (1 << medium)
-            lru[h] = None
-            lru.move_to_end(h)
+            holders = holders_of.get(h)
+            if holders is None:
+                holders_of[h] = {engine: bit}
+            else:
+                holders[engine] = holders.get(engine, 0) | bit
+            if h in lru:
+                lru.move_to_end(h)
+            lru[h] = floor
+        self._stores[engine] = now + len(hashes)
         while len(lru) > self.capacity_per_engine:
             old, _ = lru.popitem(last=False)
             self._drop(old, engine)
 
     @staticmethod
-    def _held(lru: OrderedDict[int, None], hashes: Sequence[int]) -> int:
+    def _held(lru: OrderedDict[int, int], hashes: Sequence[int]) -> int:
         """Length of the prefix of ``hashes`` in ``lru`` if it is prefix closed (binary search;
         the caller checks every block of it as it touches them)."""
         return bisect_left(range(len(hashes)), True, key=lambda i: hashes[i] not in lru)
@@ -74,6 +113,8 @@ class PrefixIndex:
         lru = self._lru.get(engine)
         if lru is None:
             return
+        if hashes:
+            self._removed_from.add(engine)
         for h in hashes:
             holders = self._holders.get(h)
             if holders is None or engine not in holders:
@@ -87,6 +128,8 @@ class PrefixIndex:
             self._drop(h, engine)
 
     def clear(self, engine: str) -> None:
+        self._stores.pop(engine, None)
+        self._removed_from.discard(engine)
         for h in self._lru.pop(engine, OrderedDict()):
             self._drop(h, engine)
 

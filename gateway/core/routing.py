@@ -38,7 +38,7 @@ from gateway.core.sessions import Mutation, SessionRecord
 from gateway.core.turn import HomeLedger, IndexKind, Siblings, Turn
 from gateway.core.types import Decision, EngineView, PrefixMatch, RouteRequest, Snapshot
 
-__all__ = ["Arrival", "MissBudget", "RoutingCore", "Write"]
+__all__ = ["GATEWAY_RECENCY_SLACK", "Arrival", "MissBudget", "RoutingCore", "Write"]
 
 #: The reason of an arrival-time move made as a deliberate TTFT miss (spends the budget).
 MISS_REASON = "kv_balance_miss"
@@ -98,6 +98,11 @@ class Write:
     done: Callable[[SessionRecord | None], None] = _nothing
 
 
+GATEWAY_RECENCY_SLACK = 0.25
+"""The gateway's prefix indexes refresh a chain in use once per quarter of their capacity in
+stored blocks, not on every turn (:class:`~gateway.core.prefix_index.PrefixIndex`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Arrival:
     """A turn as the router sees it, and what it was built from."""
@@ -118,11 +123,16 @@ class RoutingCore:
         router: Router,
         index_capacity_blocks: int,
         approx_capacity_blocks: int | None = None,
+        recency_slack: float = 0.0,
     ) -> None:
+        """``recency_slack``: the indexes' :attr:`PrefixIndex.recency_slack` as a share of their
+        capacity (0: a strict LRU, as the simulator runs; the gateway's is
+        :data:`GATEWAY_RECENCY_SLACK`)."""
         self.router = router
+        approx = approx_capacity_blocks or index_capacity_blocks
         self.indexes = {
-            IndexKind.PRECISE: PrefixIndex(index_capacity_blocks),
-            IndexKind.APPROX: PrefixIndex(approx_capacity_blocks or index_capacity_blocks),
+            IndexKind.PRECISE: PrefixIndex(index_capacity_blocks, int(recency_slack * index_capacity_blocks)),
+            IndexKind.APPROX: PrefixIndex(approx, int(recency_slack * approx)),
         }
         self.siblings = Siblings()
         self.homes = HomeLedger()

@@ -20,7 +20,7 @@ from gateway.core.hints import AgentHints
 from gateway.core.planner import ActionKind, PlanAction, TurnOutcome, with_knee
 from gateway.core.prefix_index import PrefixIndex
 from gateway.core.router import NoEngine, Router, engine_cost
-from gateway.core.routing import Arrival, RoutingCore, Write
+from gateway.core.routing import GATEWAY_RECENCY_SLACK, Arrival, RoutingCore, Write
 from gateway.core.sessions import SessionRecord
 from gateway.core.turn import IndexKind, Turn, index_for, predicted_misses, restarts
 from gateway.core.types import Decision, PrefixMatch, RouteRequest, Snapshot
@@ -96,7 +96,9 @@ class Placement:
         self.prompts = prompts
         self.metrics = metrics
         self.clock = clock
-        self.core = RoutingCore(router, config.routing.index_capacity_blocks)
+        self.core = RoutingCore(
+            router, config.routing.index_capacity_blocks, recency_slack=GATEWAY_RECENCY_SLACK
+        )
         self.owners = ResponseOwners(sessions, clock)
         rp = router.params
         knee = engine_cost(rp).decode_knee(rp.interactivity_tok_s) if rp.interactivity_tok_s > 0 else 1.0

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.core.prefix_index import PrefixIndex, match_linear
@@ -154,3 +154,72 @@ def test_the_held_prefix_fast_path_leaves_what_block_by_block_storing_leaves(
         _reference_store(ref, engine, chain, medium)
         assert fast._holders == ref._holders
         assert {e: list(o) for e, o in fast._lru.items()} == {e: list(o) for e, o in ref._lru.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(store_op, max_size=30), st.integers(1, 20))
+def test_the_recency_slack_leaves_the_holders_strict_storing_leaves_while_nothing_is_evicted(
+    ops: list,  # type: ignore[type-arg]
+    slack: int,
+) -> None:
+    """Below capacity the slack changes only the LRU order: the same holders (so the same
+    matches) as storing block by block, on chains with holes, gaps and other media."""
+    lazy, ref = PrefixIndex(10_000, recency_slack=slack), PrefixIndex(10_000)
+    for engine, c, start, n, medium, remove in ops:
+        if remove:
+            h = CHAINS[c][(start + n) // 2 % 40]
+            lazy.apply_removed(engine, [h])
+            ref.apply_removed(engine, [h])
+            continue
+        chain = CHAINS[c][start : start + n] if start % 3 else CHAINS[c][:n]
+        lazy.apply_stored(engine, chain, medium)
+        _reference_store(ref, engine, chain, medium)
+        assert {e: set(o) for e, o in lazy._lru.items()} == {e: set(o) for e, o in ref._lru.items()}
+        for e in ENGINES:
+            assert set(lazy._lru.get(e, ())) == {h for h, d in ref._holders.items() if e in d}
+
+
+def test_within_the_slack_a_turn_adds_only_its_new_blocks_and_a_stale_floor_moves_the_chain() -> None:
+    ix = PrefixIndex(1000, recency_slack=10)
+    a, b = [1, 2, 3], [100, 101, 102, 103]
+    ix.apply_stored("e", a)
+    ix.apply_stored("e", b)  # 4 stores since a's floor: within the slack
+    ix.apply_stored("e", a + [4])
+    assert list(ix._lru["e"]) == [1, 2, 3, 100, 101, 102, 103, 4]  # a's held blocks stayed put
+    ix.apply_stored("e", [200 + i for i in range(10)])  # a's floor is now 15 stores old
+    ix.apply_stored("e", a + [4, 5])
+    assert list(ix._lru["e"])[-5:] == [1, 2, 3, 4, 5]  # moved to the recent end, as strict LRU
+    assert ix.match(a + [4, 5])["e"].blocks == 5
+    strict = PrefixIndex(1000)
+    strict.apply_stored("e", a)
+    strict.apply_stored("e", b)
+    strict.apply_stored("e", a + [4])
+    assert list(strict._lru["e"]) == [100, 101, 102, 103, 1, 2, 3, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=60), st.integers(0, 3))
+@example([90] * 60, 0)  # short gaps that add up: the floor must age, not restart each turn
+@example([90] * 60, 1)
+@example([199] * 30, 2)  # long gaps: the slack must stay within capacity - gap - chains
+def test_a_chain_in_use_is_never_forgotten_within_the_capacity_less_the_slack(
+    gaps: list[int], sibling_every: int
+) -> None:
+    """A session's chain extended by a block each turn, other conversations stored between its
+    turns (at most 200 blocks), a sibling sharing its head renewing that head now and then:
+    with capacity 400 and slack 100 the chain (at most 61 blocks, its sibling's 61) is found
+    whole when each turn arrives (200 + 100 + 61 + 61 < 400)."""
+    ix = PrefixIndex(400, recency_slack=100)
+    chain = [0]
+    sibling = [0]
+    fresh = iter(range(10_000, 10**9))
+    ix.apply_stored("e", chain)
+    for turn, gap in enumerate(gaps):
+        ix.apply_stored("e", [next(fresh) for _ in range(gap)])
+        if sibling_every and turn % sibling_every == 0:
+            sibling.append(next(fresh))
+            ix.apply_stored("e", sibling)
+        # when the next turn arrives, its history is still found whole
+        assert ix.match(chain)["e"].blocks == len(chain)
+        chain.append(next(fresh))
+        ix.apply_stored("e", chain)
