@@ -5,6 +5,15 @@
  *     The canonical CBOR of (parent, tuple(tokens[start:end]), extra), the input of vLLM's
  *     sha256_cbor block hash; `tokens` a buffer of C ints (array("i")), `extra` already CBOR.
  *
+ * chain_hashes(sha256, parent, tokens, first, last, block_size, extra0, extra) -> (raw, hashes)
+ *     vLLM's sha256_cbor block hashes of blocks [first, last) of `tokens`, chained from
+ *     `parent`: each digest is sha256(cbor_block(parent, tokens, i*bs, (i+1)*bs, x)) with x
+ *     `extra0` for block 0 and `extra` after, and becomes the next block's parent. `sha256` is
+ *     the address of OpenSSL's one-shot SHA256() (the libcrypto hashlib runs on, checked against
+ *     hashlib by the caller). raw: the digests (bytes); hashes: the 64-bit external hash of each
+ *     (its last 8 bytes, big-endian), as ints. One call per turn instead of one Python
+ *     iteration (a CBOR call, a hashlib object, a digest, an int) per block.
+ *
  * Encoder(ranks, kind, classes).encode(text) -> list[int]   (.encode_bytes: as array("I") bytes)
  *     Byte-level BPE, as tiktoken's CoreBPE.encode_ordinary: the text is split by a
  *     pre-tokenizer regex (kind 0: GPT-2's; 1: Llama 3's; 2: Qwen 2's, the same with single
@@ -82,6 +91,80 @@ done:
     PyBuffer_Release(&toks);
 done_pe:
     PyBuffer_Release(&parent);
+    PyBuffer_Release(&extra);
+    return out;
+}
+
+typedef unsigned char *(*sha256_fn)(const unsigned char *, size_t, unsigned char *);
+
+static PyObject *chain_hashes(PyObject *Py_UNUSED(self), PyObject *args) {
+    unsigned long long fn_addr;
+    Py_buffer parent, extra0, extra, toks;
+    PyObject *tokobj;
+    Py_ssize_t first, last, bs;
+    if (!PyArg_ParseTuple(args, "Ky*Onnny*y*", &fn_addr, &parent, &tokobj, &first, &last, &bs, &extra0,
+                          &extra))
+        return NULL;
+    PyObject *raw = NULL, *hashes = NULL, *out = NULL;
+    unsigned char *buf = NULL;
+    sha256_fn sha = (sha256_fn)(uintptr_t)fn_addr;
+    if (PyObject_GetBuffer(tokobj, &toks, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto done_pe;
+    if (toks.itemsize != sizeof(int) || toks.format == NULL || strcmp(toks.format, "i") != 0) {
+        PyErr_SetString(PyExc_TypeError, "tokens must be an array('i')");
+        goto done;
+    }
+    Py_ssize_t n = toks.len / (Py_ssize_t)sizeof(int);
+    if (sha == NULL || bs <= 0 || first < 0 || last < first || last * bs > n || parent.len > 64) {
+        PyErr_SetString(PyExc_ValueError, "bad chain_hashes arguments");
+        goto done;
+    }
+    Py_ssize_t ex = extra0.len > extra.len ? extra0.len : extra.len;
+    buf = PyMem_Malloc((size_t)(1 + 9 + 64 + 9 + 9 * bs + ex));
+    raw = PyList_New(last - first);
+    hashes = PyList_New(last - first);
+    if (buf == NULL || raw == NULL || hashes == NULL) {
+        if (buf == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char digest[32];
+    const unsigned char *par = (const unsigned char *)parent.buf;
+    Py_ssize_t plen = parent.len;
+    for (Py_ssize_t i = first; i < last; i++) {
+        unsigned char *p = buf;
+        *p++ = 0x83; /* array(3) */
+        p = put_head(p, 2, (uint64_t)plen);
+        memcpy(p, par, (size_t)plen);
+        p += plen;
+        p = put_head(p, 4, (uint64_t)bs);
+        const int *t = (const int *)toks.buf + i * bs;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            int v = t[j];
+            p = v >= 0 ? put_head(p, 0, (uint64_t)v) : put_head(p, 1, (uint64_t)(-1 - (int64_t)v));
+        }
+        const Py_buffer *x = i == 0 ? &extra0 : &extra;
+        memcpy(p, x->buf, (size_t)x->len);
+        p += x->len;
+        sha(buf, (size_t)(p - buf), digest);
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, 32);
+        if (d == NULL) goto done;
+        PyList_SET_ITEM(raw, i - first, d);
+        uint64_t h = 0;
+        for (int k = 24; k < 32; k++) h = (h << 8) | digest[k];
+        PyObject *hv = PyLong_FromUnsignedLongLong(h);
+        if (hv == NULL) goto done;
+        PyList_SET_ITEM(hashes, i - first, hv);
+        par = (const unsigned char *)PyBytes_AS_STRING(d);
+        plen = 32;
+    }
+    out = PyTuple_Pack(2, raw, hashes);
+done:
+    PyBuffer_Release(&toks);
+done_pe:
+    PyMem_Free(buf);
+    Py_XDECREF(raw);
+    Py_XDECREF(hashes);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&extra0);
     PyBuffer_Release(&extra);
     return out;
 }
@@ -487,6 +570,7 @@ static PyTypeObject EncoderType = {
 
 static PyMethodDef methods[] = {
     {"cbor_block", cbor_block, METH_VARARGS, "Canonical CBOR of (parent, tuple(tokens[start:end]), extra)."},
+    {"chain_hashes", chain_hashes, METH_VARARGS, "sha256_cbor block hashes of a range of blocks, chained."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -56,6 +56,32 @@ __all__ = ["DEFAULT_CACHE_BYTES", "ChatTokenizer", "PromptInfo", "Unsupported", 
 
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
 _CBOR_NONE = b"\xf6"
+
+
+def _openssl_sha256() -> int:
+    """The address of OpenSSL's one-shot ``SHA256()`` in the libcrypto that hashlib runs on (the
+    native chain hash calls it), once it gave hashlib's digest on a probe; 0 when not found."""
+    if _native is None or not hasattr(_native, "chain_hashes"):
+        return 0
+    try:
+        import ctypes
+
+        import _hashlib  # type: ignore[import-not-found]
+
+        fn = ctypes.CDLL(_hashlib.__file__).SHA256
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+        probe, out = b"agentgw block hash probe", ctypes.create_string_buffer(32)
+        fn(probe, len(probe), out)
+        if out.raw != hashlib.sha256(probe).digest():
+            return 0
+        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+    except (ImportError, OSError, AttributeError):
+        return 0
+
+
+_SHA256 = _openssl_sha256()
+"""Nonzero: block hashes are chained in C, one call per prompt (:meth:`ChatTokenizer._hash`)."""
 PROMPT_CHUNK_CHARS = 4096
 """A completions prompt is keyed in chunks of this many characters."""
 TOKEN_CHUNK = 2048
@@ -636,6 +662,15 @@ class ChatTokenizer:
             keep = min(len(prev.raw), (start + common_prefix_len(prev.tokens[start:], tokens[start:])) // bs)
         raw, hashes = prev.raw[:keep] if prev else [], prev.hashes[:keep] if prev else []
         parent = raw[-1] if raw else None
+        if _SHA256 and _native is not None and isinstance(tokens, array) and len(tokens) // bs > keep:
+            # the whole chain in one C call: CBOR and OpenSSL's sha256, no Python per block
+            extra0 = cbor2.dumps(salt_keys(salt), canonical=True) if salt else _CBOR_NONE
+            more_raw, more = _native.chain_hashes(
+                _SHA256, parent or self._none, tokens, keep, len(tokens) // bs, bs, extra0, _CBOR_NONE
+            )
+            raw.extend(more_raw)
+            hashes.extend(more)
+            return raw, hashes
         if _native is not None and isinstance(tokens, array):
             # the same sha256 over the same canonical CBOR, encoded in C
             none, sha, cbor = self._none, hashlib.sha256, _native.cbor_block

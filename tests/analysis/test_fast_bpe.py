@@ -364,6 +364,39 @@ def test_cbor_block_is_cbor2s_canonical_encoding(
     assert native.cbor_block(parent, arr, start, end, cbor2.dumps(extra, canonical=True)) == want
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=200),
+    salt=st.one_of(st.none(), st.text(max_size=40)),
+    keep=st.integers(0, 12),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_the_chained_block_hashes_in_c_are_vllms_block_by_block(
+    native: Any, tokens: list[int], salt: str | None, keep: int, block_size: int
+) -> None:
+    """chain_hashes against the reference hash_block (vLLM's sha256_cbor, cbor2 and hashlib),
+    from the first block (the salt in its extra keys) or from the middle of a chain."""
+    from gateway.analysis import tokenize
+    from gateway.core.block_hash import external, hash_block, none_hash, salt_keys
+
+    assert tokenize._SHA256, "OpenSSL's SHA256 was not found in hashlib's libcrypto"
+    none = none_hash("0")
+    arr = array("i", tokens)
+    n = len(tokens) // block_size
+    keep = min(keep, n)
+    parent, raw, want = None, [], []
+    for i in range(n):
+        parent = hash_block(
+            parent, tokens[i * block_size : (i + 1) * block_size], none, salt_keys(salt) if i == 0 else None
+        )
+        raw.append(parent)
+        want.append(external(parent))
+    extra0 = cbor2.dumps(salt_keys(salt), canonical=True) if salt else b"\xf6"
+    start = raw[keep - 1] if keep else none
+    got_raw, got = native.chain_hashes(tokenize._SHA256, start, arr, keep, n, block_size, extra0, b"\xf6")
+    assert (got_raw, got) == (raw[keep:], want[keep:])
+
+
 def test_without_the_c_module_the_answers_are_the_same(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, with_native: Any
 ) -> None:
