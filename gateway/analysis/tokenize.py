@@ -64,9 +64,8 @@ def _openssl_sha256() -> int:
     if _native is None or not hasattr(_native, "chain_hashes"):
         return 0
     try:
+        import _hashlib
         import ctypes
-
-        import _hashlib  # type: ignore[import-not-found]
 
         fn = ctypes.CDLL(_hashlib.__file__).SHA256
         fn.restype = ctypes.c_void_p
