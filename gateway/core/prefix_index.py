@@ -36,6 +36,14 @@ from collections.abc import Iterable, Sequence
 from gateway.core.types import Medium, PrefixMatch
 
 
+class _Solo(dict[str, int]):
+    """The holders of a block one engine holds: one shared, never mutated, mapping per (engine,
+    media mask), instead of a small dict per block (most blocks have one holder: a million of
+    them were ~200 MB and a third of a new block's store). Writers replace it, never change it."""
+
+    __slots__ = ()
+
+
 class PrefixIndex:
     def __init__(self, capacity_per_engine: int = 1 << 20, recency_slack: int = 0) -> None:
         self.capacity_per_engine = capacity_per_engine
@@ -46,6 +54,7 @@ class PrefixIndex:
         """engine -> block hash -> its floor (``recency_slack``), least recently stored first."""
         self._stores: dict[str, int] = {}
         """engine -> blocks stored on it so far (the clock of ``recency_slack``)."""
+        self._solos: dict[tuple[str, int], _Solo] = {}
         self._removed_from: set[str] = set()
         """Engines that had blocks removed (KV events): a removal can leave a hole inside a held
         chain, which only the strict path refills, so they keep the strict order."""
@@ -87,12 +96,20 @@ class PrefixIndex:
             hashes = hashes[k:]
         bit = 1 << medium
         holders_of = self._holders
+        solo = self._solo(engine, bit)
         for h in hashes:
             holders = holders_of.get(h)
             if holders is None:
-                holders_of[h] = {engine: bit}
+                holders_of[h] = solo
             else:
-                holders[engine] = holders.get(engine, 0) | bit
+                mask = holders.get(engine, 0) | bit
+                if type(holders) is _Solo:
+                    if engine not in holders:
+                        holders_of[h] = {**holders, engine: mask}
+                    elif mask != holders[engine]:
+                        holders_of[h] = self._solo(engine, mask)
+                else:
+                    holders[engine] = mask
             if h in lru:
                 lru.move_to_end(h)
             lru[h] = floor
@@ -100,6 +117,12 @@ class PrefixIndex:
         while len(lru) > self.capacity_per_engine:
             old, _ = lru.popitem(last=False)
             self._drop(old, engine)
+
+    def _solo(self, engine: str, mask: int) -> _Solo:
+        solo = self._solos.get((engine, mask))
+        if solo is None:
+            solo = self._solos[engine, mask] = _Solo({engine: mask})
+        return solo
 
     @staticmethod
     def _held(lru: OrderedDict[int, int], hashes: Sequence[int]) -> int:
@@ -122,7 +145,10 @@ class PrefixIndex:
             if medium is not None:
                 mask = holders[engine] & ~(1 << medium)
                 if mask:
-                    holders[engine] = mask
+                    if type(holders) is _Solo:
+                        self._holders[h] = self._solo(engine, mask)
+                    else:
+                        holders[engine] = mask
                     continue
             lru.pop(h, None)
             self._drop(h, engine)
@@ -135,10 +161,14 @@ class PrefixIndex:
 
     def _drop(self, h: int, engine: str) -> None:
         holders = self._holders.get(h)
-        if holders is not None:
-            holders.pop(engine, None)
-            if not holders:
-                del self._holders[h]
+        if holders is None or engine not in holders:
+            return
+        if type(holders) is _Solo:
+            del self._holders[h]
+            return
+        del holders[engine]
+        if not holders:
+            del self._holders[h]
 
     # -- queries -------------------------------------------------------------------------------
     def holds(self, engine: str, h: int) -> Medium | None:
