@@ -1,9 +1,12 @@
-"""The upstream side of the proxy: one HTTP client API (httpx's) over one aiohttp connection pool.
+"""The upstream side of the proxy: one HTTP client API (httpx's) over one pool of keep-alive
+connections to the engines.
 
 Everything the gateway sends to an engine goes through an ``httpx.AsyncBaseTransport``:
 
-- ``Upstream.transport``: :class:`EngineTransport` (httpx's transport interface over an
-  ``aiohttp.ClientSession``: keep-alive pooled, TCP_NODELAY on), or whatever a test injects
+- ``Upstream.transport``: :class:`~gateway.service.http1.Http1Transport` (asyncio protocols and
+  httptools' parser, keep-alive pooled per engine, TCP_NODELAY on); with
+  ``AGENTGW_UPSTREAM_CLIENT=aiohttp``, :class:`EngineTransport` (the same interface over an
+  ``aiohttp.ClientSession``, for comparisons); or whatever a test injects
   (``httpx.MockTransport``: the hot path then runs without sockets). The hot relay calls it
   directly (:meth:`Upstream.send`): httpx's client layer (redirects, cookies, auth, hooks) is not
   needed there, and httpx's own connection pool is the main cost of a Python proxy under
@@ -11,7 +14,7 @@ Everything the gateway sends to an engine goes through an ``httpx.AsyncBaseTrans
 - ``Upstream.http``: an ``httpx.AsyncClient`` on the same transport for the control plane:
   health probes, metrics scrapes, engine_ext's control API, whole one-off requests.
 
-aiohttp's failures come out as httpx's, keeping what the retry logic needs to know: a refused
+Both transports' failures come out as httpx's, keeping what the retry logic needs to know: a refused
 connection is :class:`ConnectionRefused` (an ``httpx.ConnectError``), a connect timeout
 ``httpx.ConnectTimeout``, a connection reset or closed before or during the response
 ``httpx.ReadError``, a read that fell silent past its limit ``httpx.ReadTimeout``. This module
@@ -21,6 +24,7 @@ is the only one in the gateway that imports aiohttp.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -28,8 +32,10 @@ import aiohttp
 import httpx
 
 from gateway.config import GatewayConfig
+from gateway.service.http1 import ConnectionRefused, Http1Transport
 
 __all__ = [
+    "CLIENT_ENV",
     "CONNECT_ERRORS",
     "HOP_HEADERS",
     "RESPONSE_DROP",
@@ -38,6 +44,10 @@ __all__ = [
     "Upstream",
     "make_upstream",
 ]
+
+CLIENT_ENV = "AGENTGW_UPSTREAM_CLIENT"
+"""``aiohttp`` selects :class:`EngineTransport` (aiohttp's client) instead of the default
+:class:`~gateway.service.http1.Http1Transport`, for comparisons (``benchmarks.overhead``)."""
 
 #: Hop-by-hop and length headers never forwarded in either direction.
 HOP_HEADERS = frozenset(
@@ -57,10 +67,6 @@ HOP_HEADERS = frozenset(
 
 #: Upstream response headers not relayed (the gateway's server sets its own).
 RESPONSE_DROP = HOP_HEADERS | {b"date", b"server"}
-
-
-class ConnectionRefused(httpx.ConnectError):
-    """Nothing listens at the engine's address (the connection was refused)."""
 
 
 #: Failures before any byte of a response: safe to retry on another engine. A connection reset
@@ -169,15 +175,21 @@ def make_upstream(config: GatewayConfig, transport: httpx.AsyncBaseTransport | N
     ``httpx.MockTransport``)."""
     t = config.timeouts
     if transport is None:
-        n_engines = max(1, sum(len(p.engines) for p in config.pools))
         per_engine = config.limits.max_connections_per_engine
-        connector = aiohttp.TCPConnector(
-            limit=per_engine * n_engines, limit_per_host=per_engine, keepalive_timeout=60, ttl_dns_cache=300
-        )
-        session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
-        )
-        transport = EngineTransport(session)
+        if os.environ.get(CLIENT_ENV, "http1") == "aiohttp":
+            n_engines = max(1, sum(len(p.engines) for p in config.pools))
+            connector = aiohttp.TCPConnector(
+                limit=per_engine * n_engines,
+                limit_per_host=per_engine,
+                keepalive_timeout=60,
+                ttl_dns_cache=300,
+            )
+            session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            )
+            transport = EngineTransport(session)
+        else:
+            transport = Http1Transport(limit_per_host=per_engine, keepalive_s=60.0)
     timeout = httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.read_s, pool=t.connect_s)
     http = httpx.AsyncClient(transport=transport, timeout=timeout)
     return Upstream(transport, http, timeout)
