@@ -195,7 +195,13 @@ class _Conn(asyncio.Protocol):
         body = self.body
         while True:
             if body:
-                chunk = body.popleft()
+                # what arrived since the last read goes on as one piece (a loaded gateway then
+                # relays fewer, larger writes; stream readers take any split)
+                if len(body) == 1:
+                    chunk = body.popleft()
+                else:
+                    chunk = b"".join(body)
+                    body.clear()
                 self.buffered -= len(chunk)
                 if self.paused and self.buffered <= HIGH_WATER // 2 and self.transport is not None:
                     self.paused = False
