@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,16 @@ def _chunk_sub_blocks(chunk_ids: np.ndarray, blocks_per_chunk: int, skip: int, c
     """Flat sub-block indices (chunk * blocks_per_chunk + j) for `count` logical blocks."""
     flat = (chunk_ids.astype(np.int64)[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk)).ravel()
     return flat[skip : skip + count]
+
+
+@dataclass(frozen=True)
+class _DeviceBlocks:
+    """The device side of one transfer: block ids in group order, blocks per group, and each
+    group's first logical block index (as in vLLM's `GPULoadStoreSpec`)."""
+
+    block_ids: np.ndarray  # int64
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,14 @@ class HostCopyWorker(OffloadingWorker):
             pin_mmap_region(mmap_region)
         else:  # compile the CPU row copier (~0.3 s) at engine start rather than in the first transfer
             kernels.host_copy.available()
+        # Per group: the base address and row stride of its first data ref's tensor, as vLLM
+        # resolves a block id to a device address (None for a group without data refs).
+        self._group_rows: list[tuple[int, int] | None] = [
+            (device_tensors[refs[0].tensor_idx].data_ptr(), device_tensors[refs[0].tensor_idx].stride(0))
+            if refs
+            else None
+            for refs in kv_caches.group_data_refs
+        ]
         # Per group: unique (tensor_idx, bytes) pairs; aliased layers share one copy.
         self._groups: list[_GroupLayers] = []
         for refs in kv_caches.group_data_refs:
@@ -104,28 +123,60 @@ class HostCopyWorker(OffloadingWorker):
         self._pending: list[tuple[TransferResult, torch.cuda.Event]] = []
         self._finished: list[TransferResult] = []
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        return self._transfer(job_id, src_spec, dst_spec, to_host=True)
+    # The device side of a transfer is what the installed vLLM's connector passes: the device
+    # blocks' spec (vLLM 0.32) or, from vLLM 0.34 on, the `DevicePointers` resolved from it
+    # (one address per block and group data ref), which `_device_blocks` maps back to block ids.
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, self._device_blocks(src_spec), dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        return self._transfer(job_id, dst_spec, src_spec, to_host=False)
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        # vLLM 0.34 waits for an expedited load within the step; copies here are synchronous on
+        # the CPU and in order on this worker's one stream on CUDA, so it needs nothing more
+        del expedited
+        return self._transfer(job_id, self._device_blocks(dst_spec), src_spec, to_host=False)
+
+    def _device_blocks(self, spec: Any) -> _DeviceBlocks:
+        if isinstance(spec, GPULoadStoreSpec):
+            return _DeviceBlocks(
+                np.asarray(spec.block_ids, dtype=np.int64), tuple(spec.group_sizes), tuple(spec.block_indices)
+            )
+        # DevicePointers: for each group, for each of its data refs, each block's address
+        # (vllm.v1.kv_offload.pointer_utils.resolve_device_pointers: base + block id * row stride)
+        ptrs = np.asarray(spec.ptrs, dtype=np.uint64)
+        sizes = tuple(int(n) for n in spec.group_block_counts)
+        assert len(sizes) == len(self._group_rows), (sizes, len(self._group_rows))
+        ids: list[np.ndarray] = []
+        offset = 0
+        for size, num_refs, rows in zip(sizes, spec.group_data_ref_counts, self._group_rows, strict=True):
+            if size == 0:
+                continue
+            assert rows is not None, "device pointers for a group without data refs"
+            base, stride = rows
+            ids.append(
+                ((ptrs[offset : offset + size] - np.uint64(base)) // np.uint64(stride)).astype(np.int64)
+            )
+            offset += size * int(num_refs)
+        assert offset == len(ptrs), (offset, len(ptrs))
+        block_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return _DeviceBlocks(block_ids, sizes, tuple(int(i) for i in spec.block_indices))
 
     def _transfer(
-        self, job_id: int, device_spec: LoadStoreSpec, host_spec: LoadStoreSpec, to_host: bool
+        self, job_id: int, device_blocks: _DeviceBlocks, host_spec: LoadStoreSpec, to_host: bool
     ) -> bool:
-        assert isinstance(device_spec, GPULoadStoreSpec)
         assert isinstance(host_spec, BlockIDsLoadStoreSpec)
         start = time.perf_counter()
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                num_bytes = self._copy_groups(device_spec, host_spec, to_host)
+                num_bytes = self._copy_groups(device_blocks, host_spec, to_host)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             event.record(self._stream)
             result = TransferResult(job_id=job_id, success=True, transfer_size=num_bytes)
             self._pending.append((result, event))
             return True
-        num_bytes = self._copy_groups(device_spec, host_spec, to_host)
+        num_bytes = self._copy_groups(device_blocks, host_spec, to_host)
         self._finished.append(
             TransferResult(
                 job_id=job_id,
@@ -137,10 +188,10 @@ class HostCopyWorker(OffloadingWorker):
         return True
 
     def _copy_groups(
-        self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec, to_host: bool
+        self, device_spec: _DeviceBlocks, host_spec: BlockIDsLoadStoreSpec, to_host: bool
     ) -> int:
         """One `kernels.copy_blocks` per group and host sub-block column; returns the bytes moved."""
-        device_ids = np.asarray(device_spec.block_ids, dtype=np.int64)
+        device_ids = device_spec.block_ids
         chunk_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
         bpc = self._blocks_per_chunk
         dev_off = host_off = num_bytes = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
@@ -21,6 +22,15 @@ from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 from engine_ext.pins import PinTable, parse_pin_hint
 
 __all__ = ["PinnedLRUCachePolicy"]
+
+
+def _ranked_before(rank: Any, steps: int) -> Any:
+    """A recency rank ``steps`` places before ``rank`` in LRU order (lower ranks are evicted first).
+    vLLM's LRU ranks are ints in 0.32 and ``(request rank, -token position)`` tuples from 0.34 on,
+    compared by the request rank first; the demoted rank takes the form of the ranks it joins."""
+    if isinstance(rank, tuple):
+        return (rank[0] - steps, *rank[1:])
+    return rank - steps
 
 
 class PinnedLRUCachePolicy(LRUCachePolicy):
@@ -84,11 +94,13 @@ class PinnedLRUCachePolicy(LRUCachePolicy):
             keys, self._pending_demotions = self._pending_demotions, []
         if not keys:
             return
-        floor = min(self._ranks.values(), default=0)
+        floor = min(self._ranks.values(), default=None)
+        if floor is None:  # nothing in the tier
+            return
         for i, key in enumerate(keys):
             if key not in self.chunks:
                 continue
-            self._ranks[key] = floor - len(keys) + i
+            self._ranks[key] = _ranked_before(floor, len(keys) - i)
             if key in self._evictable:
                 self._push_evictable(key)
 

@@ -12,7 +12,7 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import core as engine_core
@@ -31,6 +31,16 @@ from gateway.local.engines import (
 
 def _params(fn: object) -> list[str]:
     return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+def _callable_as(fn: object, *names: str) -> bool:
+    """``fn`` takes ``names`` first and needs nothing else (later parameters have defaults): a
+    call with just those arguments still means what it did."""
+    params = list(inspect.signature(fn).parameters.values())  # type: ignore[arg-type]
+    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in params[: len(names)]] == list(names) and all(
+        p.default is not inspect.Parameter.empty or p.kind in optional for p in params[len(names) :]
+    )
 
 
 def test_scheduler_methods_we_override_keep_their_signatures() -> None:
@@ -73,17 +83,33 @@ def test_kv_cache_manager_and_block_pool_calls() -> None:
     assert "self.block_pool = " in inspect.getsource(KVCacheManager.__init__)
     assert "self.kv_cache_manager = KVCacheManager(" in inspect.getsource(Scheduler.__init__)
     assert _params(BlockPool.touch) == ["self", "blocks"]
-    assert _params(BlockPool.free_blocks) == ["self", "ordered_blocks"]
+    # vLLM 0.34 added free_blocks(..., evict_first=False); the default keeps the LRU order
+    assert _callable_as(BlockPool.free_blocks, "self", "ordered_blocks")
     assert "self.num_gpu_blocks = num_gpu_blocks" in inspect.getsource(BlockPool.__init__)
     # eviction takes only blocks with ref_cnt 0: one reference is what a pin is
     assert "assert block.ref_cnt == 0" in inspect.getsource(BlockPool.get_new_blocks)
-    assert "if block.ref_cnt == 0 and not block.is_null:" in inspect.getsource(BlockPool.touch)
+    # touching a cached block with ref_cnt 0 takes it out of the free queue and counts the reference
+    pool = BlockPool(num_gpu_blocks=3, enable_caching=True, hash_block_size=16)
+    (block,) = pool.get_new_blocks(1)
+    block.set_block_hash(make_block_hash_with_group_id(b"\x02" * 8, 0))
+    pool.free_blocks([block])
+    free = pool.get_num_free_blocks()
+    pool.touch([block])
+    assert block.ref_cnt == 1 and pool.get_num_free_blocks() == free - 1
 
 
 def test_block_and_request_fields() -> None:
     fields = {f.name for f in dataclasses.fields(KVCacheBlock)}
     assert {"block_id", "ref_cnt", "is_null"} <= fields
-    assert isinstance(inspect.getattr_static(KVCacheBlock, "block_hash"), property)
+    # read on each block (a property over `_block_hash` in vLLM 0.32, a plain field in 0.34):
+    # None until the block is cached, the hash while it is, None again once it is evicted
+    block = KVCacheBlock(block_id=1)
+    assert block.block_hash is None
+    block_hash = make_block_hash_with_group_id(b"\x01" * 8, 0)
+    block.set_block_hash(block_hash)
+    assert block.block_hash == block_hash
+    block.reset_hash()
+    assert block.block_hash is None
     assert "self.kv_transfer_params" in inspect.getsource(Request.__init__)
 
 

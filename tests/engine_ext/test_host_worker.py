@@ -189,3 +189,49 @@ def test_store_and_load_match_a_per_block_copy_for_every_engine_layout(
     finally:
         del host  # the region's mapping closes only once no tensor exports it
         worker.shutdown()
+
+
+def _as_the_connector_passes(dev_spec: GPULoadStoreSpec, caches: CanonicalKVCaches) -> object:
+    """The device side as the installed vLLM's OffloadingConnector hands it to its worker: the
+    spec itself in vLLM 0.32, the device pointers it resolves from the spec from vLLM 0.34 on."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:
+        return dev_spec
+    return resolve_device_pointers(dev_spec, caches)
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+@pytest.mark.parametrize("layout", list(ENGINE_LAYOUTS))
+def test_the_device_side_as_the_installed_connector_passes_it(layout: str, blocks_per_chunk: int) -> None:
+    worker, device, region = _layout_worker(layout, blocks_per_chunk)
+    pages, _, groups = ENGINE_LAYOUTS[layout]
+    caches = CanonicalKVCaches(  # the tensors the worker was built on, as the connector holds them
+        [CanonicalKVCacheTensor(t, page) for t, page in zip(device, pages, strict=True)],
+        [[CanonicalKVCacheRef(t, n) for t, n in refs] for refs in groups],
+    )
+    try:
+        host = region._base
+        assert host is not None
+        for seed in range(3):
+            dev_spec, host_spec = _spec(layout, blocks_per_chunk, seed)
+            host.zero_()
+            _naive_copy(worker, dev_spec, host_spec, to_host=True)
+            expected_host = host.clone()
+            host.zero_()
+            assert worker.submit_store(1, _as_the_connector_passes(dev_spec, caches), host_spec)
+            assert torch.equal(host, expected_host), (layout, seed)
+
+            host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
+            saved = [t.clone() for t in device]
+            _naive_copy(worker, dev_spec, host_spec, to_host=False)
+            expected_device = [t.clone() for t in device]
+            for t, s in zip(device, saved, strict=True):
+                t.copy_(s)
+            assert worker.submit_load(2, host_spec, _as_the_connector_passes(dev_spec, caches))
+            for t, e in zip(device, expected_device, strict=True):
+                assert torch.equal(t, e), (layout, seed)
+        assert [r.success for r in worker.get_finished()] == [True] * 6
+    finally:
+        del host  # the region's mapping closes only once no tensor exports it
+        worker.shutdown()

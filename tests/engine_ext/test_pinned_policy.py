@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from vllm.v1.kv_offload.base import ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
@@ -21,8 +23,17 @@ def filled(clock: Clock) -> PinnedLRUCachePolicy:
     for i in range(6):
         chunk = ChunkStatus(i)
         chunk.ref_cnt = 0
-        policy.insert(bytes([i]), chunk)
+        insert(policy, bytes([i]), chunk)
     return policy
+
+
+def insert(policy: PinnedLRUCachePolicy, key: bytes, chunk: ChunkStatus) -> None:
+    """A chunk a store allocated, as vLLM calls it: with the storing request's context from vLLM
+    0.34 on (one without recorded key positions: plain LRU recency), without it in 0.32."""
+    if "req_context" in inspect.signature(policy.insert).parameters:
+        policy.insert(key, chunk, ReqContext(req_id="store"))
+    else:
+        policy.insert(key, chunk)
 
 
 def finish(policy: PinnedLRUCachePolicy, keys: list[bytes], **hint: object) -> None:
