@@ -26,6 +26,7 @@ from gateway.core.load import Ticket
 from gateway.core.types import Decision
 from gateway.errors import BadRequest, UpstreamFailed
 from gateway.service.cluster import Cluster
+from gateway.service.http1 import RawResponse, request_head
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.proxy import CONNECT_ERRORS, RESPONSE_DROP, ConnectionRefused, Upstream
 
@@ -75,7 +76,7 @@ class Relay:
 
     engine: str
     pool: str
-    response: httpx.Response
+    response: httpx.Response | RawResponse
     retried: bool
     cluster: Cluster | None = None
     ticket: Ticket | None = None
@@ -137,6 +138,7 @@ class Forwarder:
         self._stream_timeout = {"connect": t.connect_s, "read": t.inter_chunk_s, "pool": t.connect_s}
         self._whole_timeout = upstream.timeout.as_dict()
         self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._targets: dict[tuple[str, str], tuple[str, int, bool, bytes, bytes]] = {}
 
     @staticmethod
     def headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -219,15 +221,23 @@ class Forwarder:
             uncached = decision.uncached_tokens + (decision.cached_tokens if fallback else 0)
             ticket = self.cluster.sent(name, uncached, decision.cached_tokens + decision.uncached_tokens)
             try:
-                request = httpx.Request(
-                    "POST",
-                    self._url(state.config.url, path),
-                    content=body,
-                    headers=headers,
-                    extensions={"timeout": timeout},
-                )
-                async with asyncio.timeout(t.first_byte_s):
-                    response = await self.upstream.send(request)
+                response: httpx.Response | RawResponse
+                fast = self.upstream.fast
+                if fast is not None:
+                    host, port, tls, host_header, target = self._target(state.config.url, path)
+                    head = request_head("POST", target, host_header, list(headers), len(body))
+                    async with asyncio.timeout(t.first_byte_s):
+                        response = await fast.send_raw(host, port, tls, head, body, timeout)
+                else:
+                    request = httpx.Request(
+                        "POST",
+                        self._url(state.config.url, path),
+                        content=body,
+                        headers=headers,
+                        extensions={"timeout": timeout},
+                    )
+                    async with asyncio.timeout(t.first_byte_s):
+                        response = await self.upstream.send(request)
             except CONNECT_ERRORS as exc:
                 self.cluster.finished(ticket)
                 self.cluster.end(name)
@@ -287,6 +297,18 @@ class Forwarder:
                 self._urls.clear()
             url = self._urls[(base, path)] = httpx.URL(base + path)
         return url
+
+    def _target(self, base: str, path: str) -> tuple[str, int, bool, bytes, bytes]:
+        """An engine's (host, port, TLS, Host header, request target) for ``path``, parsed once."""
+        got = self._targets.get((base, path))
+        if got is None:
+            if len(self._targets) >= 1024:
+                self._targets.clear()
+            url = httpx.URL(base + path)
+            tls = url.scheme == "https"
+            port = url.port or (443 if tls else 80)
+            got = self._targets[(base, path)] = (url.host, port, tls, url.netloc, url.raw_path)
+        return got
 
     async def call(self, engine: str, method: str, path: str, body: bytes | None) -> tuple[int, bytes]:
         """One whole request to one engine (no retry: the caller chose the engine for a reason)."""

@@ -19,7 +19,8 @@ a response that does not parse ``httpx.RemoteProtocolError``.
 Bounded: at most ``limit_per_host`` connections per engine (a request beyond waits for one, up
 to the pool limit), idle ones closed after ``keepalive_s``; a response body is buffered up to
 ``HIGH_WATER`` bytes before the connection stops reading (the engine then waits for the relay).
-HEAD requests are not supported (nothing sends them to engines).
+HEAD requests are not supported (nothing sends them to engines). ``https://`` engines are reached
+with the system's default TLS context.
 """
 
 from __future__ import annotations
@@ -27,18 +28,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httptools
 import httpx
 
-__all__ = ["HIGH_WATER", "ConnectionRefused", "Http1Transport"]
+__all__ = ["HIGH_WATER", "ConnectionRefused", "Http1Transport", "RawResponse", "request_head"]
 
 HIGH_WATER = 1 << 20
 """Body bytes buffered per connection before it stops reading from the socket."""
+
+
+def request_head(
+    method: str, target: bytes, host_header: bytes, headers: list[tuple[bytes, bytes]], length: int
+) -> bytes:
+    """A request's line and headers for :meth:`Http1Transport.send_raw`: ``target`` the path
+    (and query), ``host_header`` the engine's ``host[:port]``, ``headers`` without ``Host`` or
+    ``Content-Length`` (this adds them), the body sent whole with its length."""
+    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\nHost: ", host_header, b"\r\n"]
+    for k, v in headers:
+        parts += (k, b": ", v, b"\r\n")
+    parts.append(b"Content-Length: %d\r\n\r\n" % length)
+    return b"".join(parts)
 
 
 class ConnectionRefused(httpx.ConnectError):
@@ -69,7 +84,7 @@ class _Conn(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, key: tuple[str, int], host: _Host, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, key: _Key, host: _Host, loop: asyncio.AbstractEventLoop) -> None:
         self.key = key
         self.host = host
         self.loop = loop
@@ -155,7 +170,7 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def _wait(self, timeout: float | None, request: httpx.Request) -> None:
+    async def _wait(self, timeout: float | None, request: httpx.Request | None) -> None:
         """Until a callback or the connection's end wakes this (ReadTimeout past ``timeout``).
         One future and one timer handle a wait (``asyncio.timeout`` costs several times that,
         and a streamed answer waits once a chunk)."""
@@ -185,13 +200,13 @@ class _Conn(asyncio.Protocol):
         else:
             self.transport.write(head)
 
-    async def read_head(self, timeout: float | None, request: httpx.Request) -> None:
+    async def read_head(self, timeout: float | None, request: httpx.Request | None) -> None:
         while not self.headers_done:
             if self.error is not None or self.closed:
                 raise httpx.ReadError(self.error or "connection closed", request=request)
             await self._wait(timeout, request)
 
-    async def chunks(self, timeout: float | None, request: httpx.Request) -> AsyncIterator[bytes]:
+    async def chunks(self, timeout: float | None, request: httpx.Request | None) -> AsyncIterator[bytes]:
         body = self.body
         while True:
             if body:
@@ -242,7 +257,7 @@ class _Body(httpx.AsyncByteStream):
     def __init__(
         self,
         conn: _Conn,
-        request: httpx.Request,
+        request: httpx.Request | None,
         timeout: float | None,
         release: Callable[[_Conn, bool], None],
     ) -> None:
@@ -259,6 +274,39 @@ class _Body(httpx.AsyncByteStream):
         if not self._done:
             self._done = True
             self._release(self._conn, self._conn.reusable())
+
+
+_Key = tuple[str, int, bool]
+"""(host, port, TLS)"""
+
+
+class _RawHeaders:
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+
+
+class RawResponse:
+    """An engine's response on the relay's path (:meth:`Http1Transport.send_raw`): the parts of
+    ``httpx.Response`` the relay reads (``status_code``, ``headers.raw``, ``stream``, ``aread``,
+    ``aclose``), without building httpx's request, URL and header objects for each request."""
+
+    __slots__ = ("headers", "status_code", "stream")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], stream: _Body) -> None:
+        self.status_code = status
+        self.headers = _RawHeaders(headers)
+        self.stream = stream
+
+    async def aread(self) -> bytes:
+        try:
+            return b"".join([chunk async for chunk in self.stream])
+        finally:
+            await self.stream.aclose()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 class _Host:
@@ -279,10 +327,17 @@ class Http1Transport(httpx.AsyncBaseTransport):
     def __init__(self, limit_per_host: int = 1024, keepalive_s: float = 60.0) -> None:
         self.limit_per_host = limit_per_host
         self.keepalive_s = keepalive_s
-        self._hosts: dict[tuple[str, int], _Host] = {}
+        self._hosts: dict[_Key, _Host] = {}
+        self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
-    def _host(self, key: tuple[str, int]) -> _Host:
+    def _tls(self) -> ssl.SSLContext:
+        """The system's default TLS context (verifying), made on first use."""
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _host(self, key: _Key) -> _Host:
         h = self._hosts.get(key)
         if h is None:
             if len(self._hosts) >= 4096:  # bounded: drop the pools of hosts with nothing idle
@@ -295,12 +350,48 @@ class Http1Transport(httpx.AsyncBaseTransport):
         if self._closed:
             raise httpx.ConnectError("transport closed", request=request)
         url = request.url
-        if url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"only http:// engines are supported, not {url.scheme}://")
+        if url.scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"only http:// and https:// engines, not {url.scheme}://")
+        tls = url.scheme == "https"
         if request.method == "HEAD":
             raise httpx.UnsupportedProtocol("HEAD is not supported by the engine transport")
-        key = (url.host, url.port or 80)
         t = request.extensions.get("timeout", {})
+        body = request.content
+        key = (url.host, url.port or (443 if tls else 80), tls)
+        conn = await self._exchange(key, self._head(request, len(body)), body, t, request)
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_Body(conn, request, t.get("read"), self._release),
+            request=request,
+        )
+
+    async def send_raw(
+        self,
+        host: str,
+        port: int,
+        tls: bool,
+        head: bytes,
+        body: bytes,
+        timeout: Mapping[str, float | None],
+    ) -> RawResponse:
+        """The relay's path: ``head`` is the request line and headers as they go out, ending in
+        the blank line (:func:`request_head`); the response as a :class:`RawResponse`. Failures
+        are httpx's, as :meth:`handle_async_request`'s (without a request object)."""
+        if self._closed:
+            raise httpx.ConnectError("transport closed")
+        conn = await self._exchange((host, port, tls), head, body, timeout, None)
+        return RawResponse(conn.status, conn.headers, _Body(conn, None, timeout.get("read"), self._release))
+
+    async def _exchange(
+        self,
+        key: _Key,
+        head: bytes,
+        body: bytes,
+        t: Mapping[str, float | None],
+        request: httpx.Request | None,
+    ) -> _Conn:
+        """Send one request on a pooled connection (or a new one) and read its response head."""
         host = self._host(key)
         if host.slots.locked():  # every connection busy: wait for one, up to the pool limit
             try:
@@ -312,8 +403,6 @@ class Http1Transport(httpx.AsyncBaseTransport):
             await host.slots.acquire()  # free: returns at once
         conn: _Conn | None = None
         try:
-            body = request.content
-            head = self._head(request, len(body))
             conn = self._idle(host)
             if conn is not None:
                 conn.start(head, body)
@@ -336,12 +425,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
                 conn.close()
             host.slots.release()
             raise
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=_Body(conn, request, t.get("read"), self._release),
-            request=request,
-        )
+        return conn
 
     @staticmethod
     def _head(request: httpx.Request, length: int) -> bytes:
@@ -372,18 +456,21 @@ class Http1Transport(httpx.AsyncBaseTransport):
         return None
 
     async def _connect(
-        self, key: tuple[str, int], host: _Host, timeout: float | None, request: httpx.Request
+        self, key: _Key, host: _Host, timeout: float | None, request: httpx.Request | None
     ) -> _Conn:
         loop = asyncio.get_running_loop()
         conn = _Conn(key, host, loop)
         try:
             async with asyncio.timeout(timeout):
-                await loop.create_connection(lambda: conn, key[0], key[1])
+                if key[2]:
+                    await loop.create_connection(lambda: conn, key[0], key[1], ssl=self._tls())
+                else:
+                    await loop.create_connection(lambda: conn, key[0], key[1])
         except TimeoutError:
             raise httpx.ConnectTimeout("connect timed out", request=request) from None
         except ConnectionRefusedError as exc:
             raise ConnectionRefused(str(exc), request=request) from None
-        except OSError as exc:
+        except (OSError, ssl.SSLError) as exc:
             raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from None
         return conn
 

@@ -160,6 +160,10 @@ class Upstream:
     http: httpx.AsyncClient
     timeout: httpx.Timeout
     """A non-streamed request's limits (a streamed one reads with ``inter_chunk_s``)."""
+    fast: Http1Transport | None = None
+    """The transport when it is :class:`~gateway.service.http1.Http1Transport`: the relay then
+    sends through :meth:`~gateway.service.http1.Http1Transport.send_raw`, without httpx's
+    request and response objects."""
 
     async def send(self, request: httpx.Request) -> httpx.Response:
         """``request`` through the transport, its response's body not read yet."""
@@ -192,4 +196,4 @@ def make_upstream(config: GatewayConfig, transport: httpx.AsyncBaseTransport | N
             transport = Http1Transport(limit_per_host=per_engine, keepalive_s=60.0)
     timeout = httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.read_s, pool=t.connect_s)
     http = httpx.AsyncClient(transport=transport, timeout=timeout)
-    return Upstream(transport, http, timeout)
+    return Upstream(transport, http, timeout, transport if isinstance(transport, Http1Transport) else None)

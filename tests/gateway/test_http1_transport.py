@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway.service.http1 import ConnectionRefused, Http1Transport
+from gateway.service.http1 import ConnectionRefused, Http1Transport, request_head
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -54,7 +57,11 @@ async def read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
 def req(url: str, body: bytes = b"{}", **timeout: float) -> httpx.Request:
     t = {"connect": 2.0, "read": 2.0, "pool": 2.0, **timeout}
     return httpx.Request(
-        "POST", url + "/v1/chat/completions", content=body, headers=[(b"x-t", b"1")], extensions={"timeout": t}
+        "POST",
+        url + "/v1/chat/completions",
+        content=body,
+        headers=[(b"x-t", b"1")],
+        extensions={"timeout": t},
     )
 
 
@@ -238,3 +245,63 @@ async def test_a_response_that_does_not_parse_is_a_protocol_failure_not_a_hang()
         with pytest.raises(httpx.TransportError):
             await t.handle_async_request(req(url, read=2.0))
         await t.aclose()
+
+
+async def test_the_relays_raw_path_sends_the_head_it_is_given_and_reads_the_same_response() -> None:
+    seen: list[bytes] = []
+
+    async def engine(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(r)
+            seen.append(head + body)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+            await w.drain()
+
+    async with serve(engine) as (url, conns):
+        t = Http1Transport()
+        port = int(url.rsplit(":", 1)[1])
+        host_header = f"127.0.0.1:{port}".encode()
+        for _ in range(2):
+            head = request_head(
+                "POST", b"/v1/x?y=1", host_header, [(b"content-type", b"application/json")], 2
+            )
+            resp = await t.send_raw("127.0.0.1", port, False, head, b"{}", {"read": 2.0})
+            assert resp.status_code == 200 and (b"Transfer-Encoding", b"chunked") in resp.headers.raw
+            assert await resp.aread() == b"abc"
+        await t.aclose()
+    assert len(conns) == 1
+    assert seen[0] == (
+        b"POST /v1/x?y=1 HTTP/1.1\r\nHost: " + host_header + b"\r\ncontent-type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}"
+    )
+
+
+async def test_an_https_engine_is_reached_over_tls(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def engine(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecure")
+        await w.drain()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        t = Http1Transport()
+        t._ssl = ssl.create_default_context(cafile=str(cert))  # trust the test's own certificate
+        assert await body_of(await t.handle_async_request(req(f"https://127.0.0.1:{port}"))) == b"secure"
+        t2 = Http1Transport()  # the system's trust store does not know it: a connect error
+        with pytest.raises(httpx.ConnectError):
+            await t2.handle_async_request(req(f"https://127.0.0.1:{port}"))
+        await t.aclose()
+        await t2.aclose()
+    finally:
+        server.close()
