@@ -304,7 +304,7 @@ class Forwarder:
         if got is None:
             if len(self._targets) >= 1024:
                 self._targets.clear()
-            url = httpx.URL(base + path)
+            url = self._url(base, path)
             tls = url.scheme == "https"
             port = url.port or (443 if tls else 80)
             got = self._targets[(base, path)] = (url.host, port, tls, url.netloc, url.raw_path)

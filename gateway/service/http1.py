@@ -80,7 +80,6 @@ class _Conn(asyncio.Protocol):
         "parser",
         "paused",
         "status",
-        "to_eof",
         "transport",
     )
 
@@ -88,8 +87,6 @@ class _Conn(asyncio.Protocol):
         self.key = key
         self.host = host
         self.loop = loop
-        self.to_eof = False
-        """The response has neither a length nor chunks: its body ends with the connection."""
         self.transport: asyncio.Transport | None = None
         self.parser: Any = None
         self.status = 0
@@ -128,7 +125,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.to_eof and exc is None and self.error is None:
+        if exc is None and self.error is None and self.headers_done and self._ends_with_connection():
             self.complete = True
             self.keep_alive = False
         if not self.complete and self.error is None and self.parser is not None:
@@ -143,14 +140,18 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
+        self._wake()
+
+    def _ends_with_connection(self) -> bool:
+        """The response has neither a length nor chunks: its body ends with the connection
+        (read only when the connection closes, not on every response)."""
         names = {k.lower() for k, _ in self.headers}
-        self.to_eof = (
+        return (
             b"content-length" not in names
             and b"transfer-encoding" not in names
             and self.status >= 200
             and self.status not in (204, 304)
         )
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -192,7 +193,7 @@ class _Conn(asyncio.Protocol):
         self.headers = []
         self.body.clear()
         self.buffered = 0
-        self.headers_done = self.complete = self.to_eof = False
+        self.headers_done = self.complete = False
         self.error = None
         assert self.transport is not None
         if body:
@@ -429,21 +430,12 @@ class Http1Transport(httpx.AsyncBaseTransport):
 
     @staticmethod
     def _head(request: httpx.Request, length: int) -> bytes:
+        """An httpx request's head, as :func:`request_head` writes the relay's (the body sent
+        whole, with its length)."""
+        drop = (b"host", b"content-length", b"transfer-encoding")
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() not in drop]
         url = request.url
-        target = url.raw_path  # path and query, as sent
-        lines = [request.method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
-        has_length = False
-        for k, v in request.headers.raw:
-            lk = k.lower()
-            if lk == b"content-length":
-                has_length = True
-            elif lk == b"transfer-encoding":
-                continue  # the body is sent whole, with its length
-            lines += (k, b": ", v, b"\r\n")
-        if not has_length and (length or request.method in ("POST", "PUT", "PATCH")):
-            lines.append(b"Content-Length: %d\r\n" % length)
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        return request_head(request.method, url.raw_path, url.netloc, headers, length)
 
     def _idle(self, host: _Host) -> _Conn | None:
         now = time.monotonic()

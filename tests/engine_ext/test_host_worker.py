@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -164,16 +165,32 @@ def test_store_and_load_match_a_per_block_copy_for_every_engine_layout(
 ) -> None:
     worker, device, region = _layout_worker(layout, blocks_per_chunk)
     try:
-        host = region._base
-        assert host is not None
+        _round_trips(worker, device, region, layout, blocks_per_chunk, lambda spec: spec)
+    finally:
+        worker.shutdown()
+
+
+def _round_trips(
+    worker: HostCopyWorker,
+    device: list[torch.Tensor],
+    region: SharedOffloadRegion,
+    layout: str,
+    blocks_per_chunk: int,
+    device_side: Callable[[GPULoadStoreSpec], object],
+) -> None:
+    """Three seeds of a store then a load through ``worker``, the device side of each passed as
+    ``device_side`` makes it, each against a per-block copy."""
+    host = region._base
+    assert host is not None
+    try:
         for seed in range(3):
             dev_spec, host_spec = _spec(layout, blocks_per_chunk, seed)
             host.zero_()
             _naive_copy(worker, dev_spec, host_spec, to_host=True)
             expected_host = host.clone()
             host.zero_()
-            assert worker.submit_store(1, dev_spec, host_spec)
-            assert torch.equal(host, expected_host), (layout, seed, kernel_backend)
+            assert worker.submit_store(1, device_side(dev_spec), host_spec)
+            assert torch.equal(host, expected_host), (layout, seed)
 
             host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
             saved = [t.clone() for t in device]
@@ -181,14 +198,12 @@ def test_store_and_load_match_a_per_block_copy_for_every_engine_layout(
             expected_device = [t.clone() for t in device]
             for t, s in zip(device, saved, strict=True):
                 t.copy_(s)
-            assert worker.submit_load(2, host_spec, dev_spec)
+            assert worker.submit_load(2, host_spec, device_side(dev_spec))
             for t, e in zip(device, expected_device, strict=True):
-                assert torch.equal(t, e), (layout, seed, kernel_backend)
-        results = worker.get_finished()
-        assert [r.success for r in results] == [True] * 6
+                assert torch.equal(t, e), (layout, seed)
+        assert [r.success for r in worker.get_finished()] == [True] * 6
     finally:
         del host  # the region's mapping closes only once no tensor exports it
-        worker.shutdown()
 
 
 def _as_the_connector_passes(dev_spec: GPULoadStoreSpec, caches: CanonicalKVCaches) -> object:
@@ -211,27 +226,13 @@ def test_the_device_side_as_the_installed_connector_passes_it(layout: str, block
         [[CanonicalKVCacheRef(t, n) for t, n in refs] for refs in groups],
     )
     try:
-        host = region._base
-        assert host is not None
-        for seed in range(3):
-            dev_spec, host_spec = _spec(layout, blocks_per_chunk, seed)
-            host.zero_()
-            _naive_copy(worker, dev_spec, host_spec, to_host=True)
-            expected_host = host.clone()
-            host.zero_()
-            assert worker.submit_store(1, _as_the_connector_passes(dev_spec, caches), host_spec)
-            assert torch.equal(host, expected_host), (layout, seed)
-
-            host.copy_(torch.randint(-128, 128, host.shape, dtype=torch.int8))
-            saved = [t.clone() for t in device]
-            _naive_copy(worker, dev_spec, host_spec, to_host=False)
-            expected_device = [t.clone() for t in device]
-            for t, s in zip(device, saved, strict=True):
-                t.copy_(s)
-            assert worker.submit_load(2, host_spec, _as_the_connector_passes(dev_spec, caches))
-            for t, e in zip(device, expected_device, strict=True):
-                assert torch.equal(t, e), (layout, seed)
-        assert [r.success for r in worker.get_finished()] == [True] * 6
+        _round_trips(
+            worker,
+            device,
+            region,
+            layout,
+            blocks_per_chunk,
+            lambda spec: _as_the_connector_passes(spec, caches),
+        )
     finally:
-        del host  # the region's mapping closes only once no tensor exports it
         worker.shutdown()
