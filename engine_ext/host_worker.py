@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -77,11 +78,23 @@ class _GroupLayers:
 class HostCopyWorker(OffloadingWorker):
     """Device<->host page copies through `kernels.copy_blocks` (CPU platform; CUDA opt-in)."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, mmap_region: SharedOffloadRegion):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        mmap_region: SharedOffloadRegion,
+        zero_on_load: tuple[Path, set[int]] | None = None,
+    ):
+        """``zero_on_load``: the test-only drafter mutation (`engine_ext.drafter`): while the
+        file exists, every load zeroes these device tensors' rows of the blocks it loaded."""
         self._region = mmap_region
         self._blocks_per_chunk = blocks_per_chunk
         device_tensors = [canonical.tensor for canonical in kv_caches.tensors]
         self._cuda = any(t.is_cuda for t in device_tensors)
+        self._zero_flag = None if zero_on_load is None else zero_on_load[0]
+        self._zero_tensors = (
+            [] if zero_on_load is None else [device_tensors[t] for t in sorted(zero_on_load[1])]
+        )
         host_sub: list[torch.Tensor] = []
         for canonical in kv_caches.tensors:
             page = canonical.page_size_bytes
@@ -219,7 +232,22 @@ class HostCopyWorker(OffloadingWorker):
             num_bytes += size * group.nbytes
             dev_off += size
             host_off += num_chunks
+        if not to_host and self._zero_flag is not None:
+            self._zero_drafter(device_ids)
         return num_bytes
+
+    def _zero_drafter(self, device_ids: np.ndarray) -> None:
+        """The test-only mutation: zero the drafter's rows of the loaded blocks while the flag
+        file exists (all of them; only the load's last block when the file says ``last``)."""
+        assert self._zero_flag is not None
+        try:
+            mode = self._zero_flag.read_text().strip()
+        except FileNotFoundError:
+            return
+        ids = device_ids[-1:] if mode == "last" else device_ids
+        loaded = torch.from_numpy(np.ascontiguousarray(ids))
+        for tensor in self._zero_tensors:
+            tensor[loaded] = 0
 
     def get_finished(self) -> list[TransferResult]:
         still = []

@@ -16,8 +16,11 @@ reused blocks, `prompt_tokens_by_source` accounting) is reused unchanged. What t
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
+from vllm.config import get_current_vllm_config
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -25,11 +28,15 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from engine_ext.drafter import drafter_layers, zero_on_load_flag
 from engine_ext.host_worker import HostCopyWorker
 from engine_ext.pinned_policy import PinnedLRUCachePolicy
 from engine_ext.tiers.object_tier import ObjectStoreTier
 
 __all__ = ["AgentOffloadingSpec"]
+
+# under vLLM's logger, whose handler writes the engine's log (a plain engine_ext logger has none at INFO)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 _DEFAULTS: dict[str, Any] = {
     "offload_prompt_only": False,
@@ -121,6 +128,35 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
         assert self._worker is not None
         return self._worker
 
+    def _drafter_refs(self, kv_caches: CanonicalKVCaches) -> tuple[Path, set[int]] | None:
+        """Log which offloaded layers are a speculative drafter's; under the test-only hook
+        (`engine_ext.drafter.zero_on_load_flag`), its flag file and the drafter's tensors."""
+        try:
+            vllm_config = get_current_vllm_config()
+        except Exception:  # no current config (a worker built outside an engine)
+            return None
+        if vllm_config.speculative_config is None:
+            return None
+        num_target = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+        tensors: set[int] = set()
+        for group, refs in zip(self.config.groups, kv_caches.group_data_refs, strict=True):
+            drafter = drafter_layers(group.layer_names, num_target)
+            logger.info(
+                "engine_ext: KV group %d offloads %d layers, %d of them the %s drafter's: %s",
+                group.group_id,
+                len(group.layer_names),
+                len(drafter),
+                vllm_config.speculative_config.method,
+                [group.layer_names[i] for i in drafter],
+            )
+            if len(refs) == len(group.layer_names):  # one ref per layer (not a packed layout)
+                tensors.update(refs[i].tensor_idx for i in drafter)
+        flag = zero_on_load_flag()
+        if flag is None or not tensors:
+            return None
+        logger.warning("engine_ext: TEST HOOK: drafter KV is zeroed on load while %s exists", flag)
+        return flag, tensors
+
     # widens vLLM's CPUOffloadingWorker return type: the HostCopyWorker is another OffloadingWorker
     def create_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:  # type: ignore[override]
         if not self._uses_host_copy_worker():
@@ -134,7 +170,9 @@ class AgentOffloadingSpec(TieringOffloadingSpec):
             cpu_page_size=self.cpu_page_size_per_worker,
         )
         try:
-            return HostCopyWorker(kv_caches, self.blocks_per_chunk, region)
+            return HostCopyWorker(
+                kv_caches, self.blocks_per_chunk, region, zero_on_load=self._drafter_refs(kv_caches)
+            )
         except Exception:
             region.cleanup()
             raise

@@ -41,7 +41,7 @@ from gateway.local.engines import HASH_SEED, EngineSpec, LocalEngine, free_ports
 from gateway.local.layout import DEFAULT, LocalLayout
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.redis_server import LocalRedis
-from gateway.local.tiny_model import build_tiny_model
+from gateway.local.tiny_model import SERVE_ARGS, SERVED_MODEL_NAMES, build_tiny_model
 
 __all__ = [
     "DEFAULT_HOME",
@@ -113,13 +113,21 @@ def plan_local_stack(
 
     ``speculative``: vLLM's ``--speculative-config`` for every engine (speculative decoding);
     ``draft_model`` without a ``model`` drafts with the tiny model itself (see
-    :func:`speculative_config`). vLLM refuses custom logits processors beside it, so the engines
-    then load no scripted decoder and do not serve ``tiny-agent``."""
+    :func:`speculative_config`). The Llama is then its context-dependent float32 variant
+    (``llama_ctx``, still served as ``tiny-llama``), whose greedy drafts are accepted only while
+    the drafter's KV is intact. vLLM refuses custom logits processors beside speculative
+    decoding, so the engines then load no scripted decoder and do not serve ``tiny-agent``."""
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     if sessions not in SESSIONS:
         raise ValueError(f"sessions must be one of {SESSIONS}, got {sessions!r}")
-    model_dir = build_tiny_model(model_dir or home / "models" / SERVED_NAMES[arch], arch)
+    build = arch
+    if speculative is not None and arch == "llama":
+        # the random tiny Llama accepts any drafter's greedy drafts; its context-dependent float32
+        # variant accepts them only while the drafter's KV is right (served under the same name)
+        build = "llama_ctx"
+        extra_args = (*extra_args, *SERVE_ARGS[build])
+    model_dir = build_tiny_model(model_dir or home / "models" / SERVED_MODEL_NAMES[build], build)
     if speculative is not None:
         extra_args = (
             *extra_args,
@@ -225,9 +233,7 @@ def config_for(
 def speculative_config(config: Mapping[str, Any], model_dir: Path) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` for the tiny model's engines: as given, except that a
     ``draft_model`` without a ``model`` drafts with the served model itself (the tiny model is its
-    own drafter). The random tiny model's greedy drafts are accepted whatever the drafter's KV
-    holds (zeroing the drafter's reloaded KV left every draft accepted), so acceptance on it says
-    nothing about that state."""
+    own drafter)."""
     out = dict(config)
     if out.get("method") == "draft_model" and not out.get("model"):
         out["model"] = str(model_dir)

@@ -18,6 +18,12 @@ Architectures (served names in `SERVED_MODEL_NAMES`):
   serve it with `SERVE_ARGS["qwen3_next"]` (chunks of one block) for hits of
   floor((prompt_tokens - 1) / 384) * 384 tokens on a repeated prompt; with vLLM's default chunk
   size, whether a repeated prompt hits depends on its length.
+- `llama_ctx`: the `llama` shapes in float32 with weights drawn `CTX_INIT_STD` wide. At the
+  usual 0.02 the residual stream is the last token's embedding and greedy decoding repeats one
+  token whatever came before; at 0.15 attention mixes the whole context, so the greedy output
+  depends on every earlier token's KV. A drafter's acceptance then depends on its KV too (the
+  speculative-decoding tests draft with this model itself). Serve it with
+  `SERVE_ARGS["llama_ctx"]` (`--dtype float32`: in bf16 near-ties flip greedy choices).
 
 torch and safetensors are imported inside functions: `gateway` imports without them.
 
@@ -47,14 +53,20 @@ __all__ = [
     "main",
 ]
 
-ARCHS = ("llama", "gemma3", "qwen3_next")
-SERVED_MODEL_NAMES = {"llama": "tiny-llama", "gemma3": "tiny-gemma3", "qwen3_next": "tiny-qwen3-next"}
+ARCHS = ("llama", "gemma3", "qwen3_next", "llama_ctx")
+SERVED_MODEL_NAMES = {
+    "llama": "tiny-llama",
+    "gemma3": "tiny-gemma3",
+    "qwen3_next": "tiny-qwen3-next",
+    "llama_ctx": "tiny-llama-ctx",
+}
 
 # Extra vLLM arguments each model needs for dependable prefix-cache hits (see the docstring).
 SERVE_ARGS: dict[str, tuple[str, ...]] = {
     "llama": (),
     "gemma3": (),
     "qwen3_next": ("--max-num-batched-tokens", "384"),
+    "llama_ctx": ("--dtype", "float32"),
 }
 
 VOCAB_SIZE = 4096
@@ -62,6 +74,7 @@ MAX_POSITION_EMBEDDINGS = 131072  # room for 64K-token prompts plus output
 GEMMA3_SLIDING_WINDOW = 256
 SEED = 0
 INIT_STD = 0.02
+CTX_INIT_STD = 0.15
 
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -118,6 +131,8 @@ def _common_config() -> dict[str, Any]:
 def model_config(arch: str) -> dict[str, Any]:
     """The `config.json` contents for `arch` (hand-written, independent of the transformers version)."""
     config = _common_config()
+    if arch == "llama_ctx":
+        return model_config("llama") | {"dtype": "float32", "initializer_range": CTX_INIT_STD}
     if arch == "llama":
         config |= {
             "architectures": ["LlamaForCausalLM"],
@@ -259,7 +274,12 @@ def _qwen3_next_tensors(config: dict[str, Any]) -> Iterator[_Tensor]:
     yield "lm_head.weight", (VOCAB_SIZE, _HIDDEN), "normal"
 
 
-_TENSORS = {"llama": _llama_tensors, "gemma3": _gemma3_tensors, "qwen3_next": _qwen3_next_tensors}
+_TENSORS = {
+    "llama": _llama_tensors,
+    "gemma3": _gemma3_tensors,
+    "qwen3_next": _qwen3_next_tensors,
+    "llama_ctx": _llama_tensors,
+}
 
 
 def _weights_bytes(arch: str, config: dict[str, Any]) -> bytes:
@@ -267,15 +287,17 @@ def _weights_bytes(arch: str, config: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
     generator = torch.Generator().manual_seed(SEED)
+    std = float(config["initializer_range"])
+    dtype = torch.float32 if config["dtype"] == "float32" else torch.bfloat16
     tensors: dict[str, torch.Tensor] = {}
     for name, shape, init in _TENSORS[arch](config):
         if init == "normal":
-            value = torch.randn(shape, generator=generator, dtype=torch.float32) * INIT_STD
+            value = torch.randn(shape, generator=generator, dtype=torch.float32) * std
         elif init == "ones":
             value = torch.ones(shape, dtype=torch.float32)
         else:
             value = torch.zeros(shape, dtype=torch.float32)
-        tensors[name] = value.to(torch.bfloat16).contiguous()
+        tensors[name] = value.to(dtype).contiguous()
     return save(tensors, metadata={"format": "pt"})
 
 

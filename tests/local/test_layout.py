@@ -18,7 +18,6 @@ from gateway.config import load_config
 from gateway.local.embedded import plan_local_stack, speculative_config
 from gateway.local.engines import engine_command
 from gateway.local.layout import DEFAULT, LayoutError, LocalLayout, resolve
-from gateway.local.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,13 +177,17 @@ def test_serve_refuses_a_speculative_config_that_is_not_a_json_object(
 def test_every_local_engine_gets_the_speculative_config_and_a_draft_model_defaults_to_the_tiny_model(
     tmp_path: Path,
 ) -> None:
-    model = build_tiny_model(tmp_path / "model", "llama")
+    model = tmp_path / "model"
     spec = {"method": "draft_model", "num_speculative_tokens": 3}
     stack = plan_local_stack(LocalLayout(2), store="none", home=tmp_path, model_dir=model, speculative=spec)
+    # the context-dependent float32 Llama, served under the usual name
+    assert json.loads((model / "config.json").read_text())["dtype"] == "float32"
     for s in stack.specs:
         cmd = engine_command(s)
         given = json.loads(cmd[cmd.index("--speculative-config") + 1])
         assert given == {**spec, "model": str(model)}
+        assert cmd[cmd.index("--dtype") + 1] == "float32"
+        assert s.served_model_name == "tiny-llama"
     other = {"method": "draft_model", "model": "/elsewhere", "num_speculative_tokens": 2}
     assert speculative_config(other, model) == other
     assert speculative_config({"method": "ngram"}, model) == {"method": "ngram"}

@@ -113,7 +113,7 @@ def test_weights_have_the_configured_shapes(arch: str, built: dict[str, Path]) -
         names = set(f.keys())
         embed = f.get_slice("model.embed_tokens.weight")
         assert embed.get_shape() == [VOCAB_SIZE, config.hidden_size]
-        assert str(embed.get_dtype()) == "BF16"
+        assert str(embed.get_dtype()) == ("F32" if arch == "llama_ctx" else "BF16")
     assert config.vocab_size == VOCAB_SIZE
     assert config.max_position_embeddings >= 65536
     assert ("lm_head.weight" in names) == (not config.tie_word_embeddings)
@@ -261,3 +261,18 @@ def test_vllms_hermes_parser_reads_back_the_tool_calls_the_template_renders(toke
     assert [(t.function.name, json.loads(t.function.arguments)) for t in parsed.tool_calls] == [
         (c["name"], c["arguments"]) for c in calls
     ]
+
+
+def test_the_context_dependent_llama_is_the_llama_in_float32_with_wider_weights(
+    built: dict[str, Path],
+) -> None:
+    from safetensors.torch import load_file
+
+    ctx = load_file(str(built["llama_ctx"] / "model.safetensors"))
+    plain = load_file(str(built["llama"] / "model.safetensors"))
+    assert ctx.keys() == plain.keys()
+    q = ctx["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype.is_floating_point and q.element_size() == 4
+    # drawn CTX_INIT_STD wide: attention mixes the context instead of echoing the last token
+    assert 0.13 < float(q.std()) < 0.17
+    assert 0.015 < float(plain["model.layers.0.self_attn.q_proj.weight"].float().std()) < 0.025
