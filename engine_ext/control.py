@@ -25,6 +25,13 @@ The server (:class:`ControlServer`) is bounded and time-limited: one asyncio loo
 ``control_max_body_bytes`` (4 MiB) within ``control_body_timeout_s`` (10 s); numbers validated
 (a pin TTL in (0, 7 days]).
 
+KV hint envelopes (engine_ext.kv_hints): the same operations, attached to a request instead of
+called over HTTP. Once started, the server takes each request the pin-aware policy sees end
+(:meth:`ControlServer.apply_kv_hints`), which maps its envelope's actions to the calls above and
+runs them through :meth:`ControlServer.route`, the API's own validation and dispatch (a pin on
+the turn that carries it covers that turn's chunks: they are recorded first). The counters are
+in ``GET /v1/kv/stats`` -> ``kv_hints``.
+
 Device pins (engine_ext.scheduler): the pinning scheduler attaches its `DevicePins` to the
 service started on the same `control_port` (`service_on`: vLLM builds the connector's spec and
 the scheduler separately, by name, and hands neither to the other, so this per-process table
@@ -38,6 +45,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -46,11 +54,26 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine_ext.device_pins import DevicePins, PinCommand
+from engine_ext.kv_hints import (
+    ACTIONS,
+    PROTOCOL_VERSION,
+    ControlCall,
+    InvalidEnvelope,
+    control_calls,
+    request_envelope,
+)
+from engine_ext.pinned_policy import PinnedLRUCachePolicy
+from engine_ext.pins import parse_pin_hint
 
-__all__ = ["ControlServer", "ControlService", "register_service", "service_on"]
+if TYPE_CHECKING:
+    from vllm.v1.kv_hints import KvHintsEnvelope
+
+__all__ = ["ControlServer", "ControlService", "HintCounters", "register_service", "service_on"]
+
+logger = logging.getLogger(__name__)
 
 _SERVICES: dict[int, ControlService] = {}  # control_port -> the service of this process
 
@@ -77,6 +100,12 @@ class ControlService:
     def attach_device(self, pins: DevicePins, clock: Callable[[], float]) -> None:
         """Serve the scheduler's device pins too (called once, from the scheduler's __init__)."""
         self._device, self._clock = pins, clock
+
+    def on_request_end(self, apply: Callable[[HintedRequest], None] | None) -> None:
+        """Hand each request the pin-aware policy sees end to ``apply`` (None: stop); a policy
+        of another kind has no such hook and nothing is handed."""
+        if isinstance(self._policy, PinnedLRUCachePolicy):
+            self._policy.on_request_end = apply
 
     def _queue(self, command: PinCommand) -> dict[str, Any] | None:
         if self._device is None:
@@ -156,6 +185,61 @@ class ControlService:
         usage = self._post("/v1/completions", body).get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         return {"prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": details.get("cached_tokens")}
+
+
+class HintedRequest(Protocol):
+    """What :meth:`ControlServer.apply_kv_hints` reads of a request (vLLM's ``ReqContext``)."""
+
+    @property
+    def kv_hints(self) -> KvHintsEnvelope | None: ...
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+
+
+class HintCounters:
+    """What the KV hint envelopes did (``GET /v1/kv/stats`` -> ``kv_hints``); any thread.
+
+    ``envelopes``: read; ``envelopes_refused``: not readable (nothing applied); ``applied``:
+    actions answered 200; ``refused``: actions refused (by the mapping or the control API's
+    validation); ``prefetches_running``: prefetch actions on the operation pool now. Refusals
+    are logged: the first :data:`LOG_FIRST`, then one in :data:`LOG_EVERY` (a client repeating
+    a bad envelope does not flood the engine's log)."""
+
+    LOG_FIRST = 10
+    LOG_EVERY = 1000
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts = dict.fromkeys(
+            ("envelopes", "envelopes_refused", "applied", "refused", "prefetches_running"), 0
+        )
+        self.by_action: dict[str, int] = {}
+        """action_type -> actions applied."""
+        self.last_refusal: str | None = None
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
+
+    def applied(self, action_type: str) -> None:
+        with self.lock:
+            self.counts["applied"] += 1
+            self.by_action[action_type] = self.by_action.get(action_type, 0) + 1
+
+    def refuse(self, key: str, reason: str) -> None:
+        with self.lock:
+            self.counts[key] += 1
+            self.last_refusal = reason[:300]
+            n = self.counts["envelopes_refused"] + self.counts["refused"]
+        if n <= self.LOG_FIRST or n % self.LOG_EVERY == 0:
+            logger.warning("engine_ext: KV hints refused (%d so far): %s", n, reason[:300])
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            counts = {**self.counts, "by_action": dict(self.by_action), "last_refusal": self.last_refusal}
+        # what the engine reads: a gateway or an operator can tell the envelope is served here
+        return {"protocol_version": PROTOCOL_VERSION, "actions": sorted(ACTIONS), **counts}
 
 
 def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
@@ -267,16 +351,24 @@ class ControlServer:
         self._started = threading.Event()
         self._writers: set[asyncio.StreamWriter] = set()
         self._thread = threading.Thread(target=self._run, name="agentgw_control", daemon=True)
+        self.hints = HintCounters()
+        self.max_hint_prefetches = max(1, max_inflight // 2)
+        """Prefetch actions of KV hint envelopes on the operation pool at once (the rest of the
+        pool stays for the API's own calls); past it a prefetch action is refused."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        """Serve: register the service for the pinning scheduler (:func:`service_on`), take the
+        pin-aware policy's ended requests (:meth:`apply_kv_hints`), start the loop thread."""
         register_service(self._configured_port, self.service)
+        self.service.on_request_end(self.apply_kv_hints)
         self._thread.start()
         self._started.wait(10)
 
     def stop(self) -> None:
         if _SERVICES.get(self._configured_port) is self.service:
             del _SERVICES[self._configured_port]
+        self.service.on_request_end(None)
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._request_stop)
             self._thread.join(10)
@@ -415,6 +507,76 @@ class ControlServer:
         except _Refuse as r:
             return _error(r.status, r.message, r.kind)
 
+    # -- KV hint envelopes ----------------------------------------------------------------
+    def apply_kv_hints(self, request: HintedRequest) -> None:
+        """Apply the KV hint envelope of a request that ended (engine_ext.kv_hints: the native
+        one, else ``kv_transfer_params.kv_hints``), on the engine-core thread: the pin-aware
+        policy calls it once the request's chunks are recorded under its session. Each action
+        goes through :meth:`route` as the control API call it maps to (same validation, same
+        operations); a prefetch runs on the operation pool, since it completes a prompt through
+        this engine. Never raises: a bad envelope or action is counted and logged, the engine
+        goes on."""
+        try:
+            params = request.kv_transfer_params
+            try:
+                envelope = request_envelope(request.kv_hints, params)
+            except InvalidEnvelope as exc:
+                self.hints.refuse("envelopes_refused", str(exc))
+                return
+            if envelope is None:
+                return
+            self.hints.add("envelopes")
+            hint = parse_pin_hint(params)
+            calls, refused = control_calls(envelope, None if hint is None else hint.session_id)
+            for r in refused:
+                self.hints.refuse(
+                    "refused",
+                    f"message {envelope.message_id[:64]!r}, {r.action_type} {r.action_id[:64]!r}: {r.reason}",
+                )
+            for call in calls:
+                if call.path == "/v1/kv/prefetch":
+                    self._start_prefetch(call)
+                else:
+                    self._apply(call)
+        except Exception:  # the engine-core thread: an envelope must never stop the engine
+            logger.exception("engine_ext: applying a KV hint envelope failed")
+            self.hints.refuse("envelopes_refused", "internal error (see the engine's log)")
+
+    def _apply(self, call: ControlCall) -> None:
+        try:
+            status, answer = self.route("POST", call.path, call.body)
+        except _Refuse as r:
+            status, answer = r.status, r.message
+        if status == 200:
+            self.hints.applied(call.action_type)
+        else:
+            message = answer["error"]["message"] if isinstance(answer, dict) else answer
+            self.hints.refuse("refused", f"{call.action_type} {call.action_id[:64]!r}: {message}")
+
+    def _start_prefetch(self, call: ControlCall) -> None:
+        with self.hints.lock:
+            busy = self.hints.counts["prefetches_running"] >= self.max_hint_prefetches
+            if not busy:
+                self.hints.counts["prefetches_running"] += 1
+        if busy:
+            self.hints.refuse(
+                "refused", f"{call.action_type} {call.action_id[:64]!r}: {self.max_hint_prefetches} running"
+            )
+            return
+        try:
+            self._pool.submit(self._prefetch, call)
+        except RuntimeError:  # the pool is shut down: the engine is stopping
+            self.hints.add("prefetches_running", -1)
+
+    def _prefetch(self, call: ControlCall) -> None:
+        try:
+            self._apply(call)
+        except Exception:  # a pool thread: log it, never lose the running count
+            logger.exception("engine_ext: a KV hint prefetch failed")
+            self.hints.refuse("refused", f"{call.action_type} {call.action_id[:64]!r}: internal error")
+        finally:
+            self.hints.add("prefetches_running", -1)
+
     def _dispatch(self, method: str, path: str, raw: bytes) -> tuple[int, dict[str, Any] | str]:
         body: dict[str, Any] = {}
         if method == "POST":
@@ -424,9 +586,14 @@ class ControlServer:
                 return _error(400, f"invalid JSON: {exc}", "invalid_request_error")
             if not isinstance(body, dict):
                 return _error(400, "body must be a JSON object", "invalid_request_error")
+        return self.route(method, path, body)
+
+    def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any] | str]:
+        """One operation from its route and JSON body: validation, then the service (raises
+        _Refuse for a bad field). The HTTP requests and the KV hint envelopes both come here."""
         svc = self.service
         if method == "GET" and path == "/v1/kv/stats":
-            return 200, svc.stats()
+            return 200, {**svc.stats(), "kv_hints": self.hints.snapshot()}
         if method == "GET" and path == "/metrics":
             return 200, svc.metrics()
         if method == "GET" and path.startswith("/v1/kv/sessions/"):

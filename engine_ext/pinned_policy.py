@@ -3,7 +3,8 @@
 Loaded through `eviction_policy="PinnedLRUCachePolicy"` + `cache_policy_module_path`. Every
 request's chunks are recorded under its session (hint `agentgw.session_id`); when the hint
 carries `pin_ttl_s`, the session's chunks are protected from eviction until the TTL ends, then
-fall back to LRU. `release: true` drops the pin. The pin table itself is pure
+fall back to LRU. `release: true` drops the pin. `on_request_end` then sees the request (the
+control server applies its KV hint envelope: engine_ext.kv_hints). The pin table itself is pure
 (`engine_ext.pins.PinTable`); this adapter supplies the clock and a lock, because the control
 server thread pins and unpins too.
 """
@@ -19,7 +20,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-from engine_ext.pins import PinTable, parse_pin_hint
+from engine_ext.pins import PinHint, PinTable, parse_pin_hint
 
 __all__ = ["PinnedLRUCachePolicy"]
 
@@ -43,6 +44,10 @@ class PinnedLRUCachePolicy(LRUCachePolicy):
         self.session_keys: dict[str, set[OffloadKey]] = {}
         self.num_pin_protected_evictions_refused = 0
         self._pending_demotions: list[OffloadKey] = []
+        self.on_request_end: Callable[[ReqContext], None] | None = None
+        """Called with each ended request's context once its chunks are recorded under its
+        session, on the scheduler thread (the control server applies the request's KV hint
+        envelope there: engine_ext.control)."""
 
     def on_request_finished(
         self,
@@ -54,8 +59,13 @@ class PinnedLRUCachePolicy(LRUCachePolicy):
         super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
         self._apply_demotions()
         hint = parse_pin_hint(req_context.kv_transfer_params)
-        if hint is None:
-            return
+        if hint is not None:
+            self._record(hint, key_groups)
+        if self.on_request_end is not None:
+            self.on_request_end(req_context)
+
+    def _record(self, hint: PinHint, key_groups: Sequence[Sequence[OffloadKey]]) -> None:
+        """The request's chunks join its session's; the hint's pin or release applies."""
         keys = {k for group in key_groups for k in group if k in self.chunks}
         with self.lock:
             known = self.session_keys.get(hint.session_id, set())
