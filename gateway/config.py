@@ -50,6 +50,12 @@ class EngineConfig(_Strict):
     """ZMQ endpoint of the engine's KV-event publisher, e.g. ``tcp://127.0.0.1:5557``."""
     control_url: str | None = None
     """engine_ext control API base URL, when the engine runs the plugin."""
+    kv_hints: bool = False
+    """The engine's engine_ext reads KV hint envelopes from ``kv_transfer_params.kv_hints``
+    (docs/engine_ext.md): a turn's pin or release then rides on the turn's request as an
+    envelope action, and the planner's ``stay`` / ``demote`` pin and the session end's release
+    are not sent to the control API after the turn. Needs ``control_url``. Off: the pin rides
+    in ``kv_transfer_params.agentgw`` and the control calls are sent (the default)."""
 
     @field_validator("url", "control_url")
     @classmethod
@@ -57,6 +63,14 @@ class EngineConfig(_Strict):
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return v.rstrip("/") if v else v
+
+    @model_validator(mode="after")
+    def _kv_hints_need_control(self) -> EngineConfig:
+        if self.kv_hints and self.control_url is None:
+            raise ValueError(
+                "kv_hints needs control_url (the envelope's actions are engine_ext's control API's)"
+            )
+        return self
 
 
 class PoolConfig(_Strict):

@@ -37,9 +37,10 @@ log = logging.getLogger("agentgw.forwarding")
 TAIL_CHUNKS = 3
 """Chunks of each answer kept for its usage report (a stream's usage chunk is next to its end)."""
 
-STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt", "priority")
-"""Body fields that steer an engine (its KV connector, its prefix-cache namespace, its queue):
-sent only as the gateway sets them (:meth:`Forwarder.body`)."""
+STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt", "priority", "kv_hints")
+"""Body fields that steer an engine (its KV connector, its prefix-cache namespace, its queue; a
+KV hint envelope, should vLLM read one from the body): sent only as the gateway sets them
+(:meth:`Forwarder.body`)."""
 STEERING_XARGS = ("kv_transfer_params", "ec_transfer_params", "agentic_context")
 """The same inside ``vllm_xargs`` (vLLM copies them into the request's extra args), and the
 Dynamo hint block, which is the gateway's."""
@@ -158,8 +159,8 @@ class Forwarder:
         salt: str | None = None,
     ) -> bytes:
         """The body the engine gets: ``raw`` unless something had to change (``changed``: the
-        caller changed ``body`` already). ``pin`` is engine_ext's ``kv_transfer_params.agentgw``
-        for this turn (None: none); ``salt`` the tenant's prefix-cache salt (None: none).
+        caller changed ``body`` already). ``pin`` is engine_ext's ``kv_transfer_params`` for
+        this turn (None: none); ``salt`` the tenant's prefix-cache salt (None: none).
 
         Fields that steer an engine (:data:`STEERING_FIELDS`, :data:`STEERING_XARGS`) reach it
         only as the gateway sets them, never as a client sent them: a client's
@@ -183,7 +184,7 @@ class Forwarder:
             body = {**body, "cache_salt": salt}
             changed = True
         if pin is not None:
-            body = {**body, "kv_transfer_params": {"agentgw": pin}}
+            body = {**body, "kv_transfer_params": pin}
             changed = True
         if self.config.routing.forward_priority and hints.priority is not None:
             body = {**body, "priority": hints.priority}

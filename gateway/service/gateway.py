@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.config import GatewayConfig
+from gateway.core.kv_hints import kv_transfer_params
 from gateway.core.router import Router
 from gateway.core.sessions import SessionRecord
 from gateway.core.types import Decision, PrefixMatch
@@ -170,17 +171,26 @@ class GatewayService:
         return self.placement.decide(a)
 
     def pin_for(self, a: Analysis, d: Decision) -> dict[str, Any] | None:
-        """engine_ext's ``kv_transfer_params.agentgw`` for this turn: pin the session's KV at the
-        end of the request for the expected gap, or release it at the session's end."""
+        """engine_ext's ``kv_transfer_params`` for this turn
+        (:func:`~gateway.core.kv_hints.kv_transfer_params`): pin the session's KV at the end of
+        the request for the expected gap, or release it at the session's end; as a KV hint
+        envelope action when the engine reads them (its ``kv_hints``)."""
         h = a.hints
         if h.session_id is None or not self.migrations.controllable(d.engine):
             return None
-        if h.session_end:
-            return {"session_id": h.session_id, "release": True}
-        ttl = self.migrations.params.pin_ttl_s(self.placement.expected_gap(h, a.record))
-        if h.kv_retention_ttl_s is not None:
-            ttl = h.kv_retention_ttl_s
-        return {"session_id": h.session_id, "pin_ttl_s": ttl}
+        ttl = None
+        if not h.session_end:
+            ttl = self.migrations.params.pin_ttl_s(self.placement.expected_gap(h, a.record))
+            if h.kv_retention_ttl_s is not None:
+                ttl = h.kv_retention_ttl_s
+        turn = (a.record.turns if a.record is not None else 0) + 1
+        return kv_transfer_params(
+            h.session_id,
+            ttl,
+            h.session_end,
+            f"{h.session_id}#{turn}",
+            self.migrations.carries_hints(d.engine),
+        )
 
     async def open(
         self,

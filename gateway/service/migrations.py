@@ -9,6 +9,11 @@ prefetch is done, so the next turn never waits on a migration: until then it goe
 prefix is. A new placement or the session's end cancels what is pending. Concurrent prefetches
 are capped per target engine.
 
+Engines with ``kv_hints`` read the turn's pin or release from the turn's own request (a KV hint
+envelope action: :mod:`gateway.core.kv_hints`), applied by engine_ext as the same control call;
+a migration ``carried`` that way sends no pin (``stay``, ``demote``, ``replicate``'s source) and
+no unpin (``release``) of its own.
+
 ``current`` holds each live session's latest migration: the running one, else the last finished
 one (the session API shows it; the next turn reads how a completed move served). A finished one
 leaves when its session is gone (ended or expired: so the release after a session's end does not
@@ -48,6 +53,8 @@ class Migration:
     ready: dict[str, float] = field(default_factory=dict)
     """target -> seconds from start until its prefetch completed."""
     error: str | None = None
+    carried: bool = False
+    """The source's pin or release rode on the turn's request (a KV hint envelope): not sent."""
 
     def to_dict(self) -> dict[str, object]:
         a = self.action
@@ -60,6 +67,7 @@ class Migration:
             "state": self.state,
             "ready_s": self.ready,
             "error": self.error,
+            "carried": self.carried,
         }
 
 
@@ -96,9 +104,17 @@ class MigrationExecutor:
         s = self.cluster.engines.get(engine)
         return bool(self.config.enabled and s is not None and s.config.control_url)
 
+    def carries_hints(self, engine: str) -> bool:
+        """A turn's pin or release rides on its request to ``engine`` (a KV hint envelope)."""
+        s = self.cluster.engines.get(engine)
+        return self.controllable(engine) and s is not None and s.config.kv_hints
+
     # -- scheduling ----------------------------------------------------------------------------
-    def submit(self, action: PlanAction, token_ids: list[int] | None) -> Migration | None:
-        """Start carrying out ``action`` in the background (cancelling the session's pending one)."""
+    def submit(
+        self, action: PlanAction, token_ids: list[int] | None, carried: bool = False
+    ) -> Migration | None:
+        """Start carrying out ``action`` in the background (cancelling the session's pending one).
+        ``carried``: the turn's request carried the source's pin or release (not sent again)."""
         self.cancel(action.session_id, reason="new_plan")
         engines = (action.source, *action.targets)
         if not all(self.controllable(e) for e in engines):
@@ -106,7 +122,7 @@ class MigrationExecutor:
         if action.kind in (ActionKind.MOVE, ActionKind.REPLICATE) and not token_ids:
             return None
         sid = action.session_id
-        m = Migration(action, self.clock())
+        m = Migration(action, self.clock(), carried=carried)
         self.current[sid] = m
         self.metrics.migrations.labels(action.kind.value, "started").inc()
         self._count_move(action, "started")
@@ -196,11 +212,14 @@ class MigrationExecutor:
         a = m.action
         try:
             if a.kind == ActionKind.RELEASE:
-                await self._call(a.source, "/v1/kv/unpin", {"session_id": a.session_id})
+                if not m.carried:
+                    await self._call(a.source, "/v1/kv/unpin", {"session_id": a.session_id})
             elif a.kind in (ActionKind.STAY, ActionKind.DEMOTE):
-                await self._call(a.source, "/v1/kv/pin", {"session_id": a.session_id, "ttl_s": a.pin_ttl_s})
+                if not m.carried:
+                    pin = {"session_id": a.session_id, "ttl_s": a.pin_ttl_s}
+                    await self._call(a.source, "/v1/kv/pin", pin)
             else:
-                if a.kind == ActionKind.REPLICATE:
+                if a.kind == ActionKind.REPLICATE and not m.carried:
                     await self._call(
                         a.source, "/v1/kv/pin", {"session_id": a.session_id, "ttl_s": a.pin_ttl_s}
                     )

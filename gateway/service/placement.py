@@ -197,23 +197,37 @@ class Placement:
         h = a.hints
         if h.session_id is None:
             return
+        # the request carried its pin or release as a KV hint envelope, and the engine that
+        # served it reads them (GatewayService.pin_for)
+        carried = (
+            served_on is not None
+            and self.migrations.carries_hints(d.engine)
+            and self.migrations.carries_hints(served_on)
+        )
         if h.session_end:
-            await self.end_session(h.session_id)
+            await self.end_session(h.session_id, released_on=served_on if carried else None)
             return
         for w in writes:
             rec = await self.sessions.update(w.session_id, now, w.apply)
             w.done(rec)
             if rec is not None and ok and served_on is not None:
-                self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index)
+                self.after_turn(rec, h, served_on, a.turn.model, a.prompt.index, carried)
 
     def expected_gap(self, hints: AgentHints, rec: SessionRecord | None) -> float:
         hinted = hints.expected_tool_latency_ms / 1000 if hints.expected_tool_latency_ms is not None else None
         return self.planner_params.gap_s(hinted, rec.expected_gap() if rec is not None else None)
 
     def after_turn(
-        self, rec: SessionRecord, hints: AgentHints, engine: str, model: str, index: IndexKind
+        self,
+        rec: SessionRecord,
+        hints: AgentHints,
+        engine: str,
+        model: str,
+        index: IndexKind,
+        carried: bool = False,
     ) -> PlanAction | None:
-        """Plan where the session's KV should be for its next turn, and start doing it."""
+        """Plan where the session's KV should be for its next turn, and start doing it
+        (``carried``: the turn's request to ``engine`` pinned the session there already)."""
         if not self.migrations.controllable(engine):
             return None
         sid, now = rec.session_id, self.clock()
@@ -230,19 +244,22 @@ class Placement:
         action = self.core.plan(
             outcome, self.cluster.views(), index, rec.prefix_hashes, self.planner_params, now
         )
-        if self.migrations.submit(action, self.prompts.session_tokens(sid)) is None:
+        if self.migrations.submit(action, self.prompts.session_tokens(sid), carried) is None:
             self.core.move_ended(sid)
         return action
 
-    async def end_session(self, session_id: str) -> SessionRecord | None:
-        """The session is over: cancel pending migrations, release its pins, forget it."""
+    async def end_session(self, session_id: str, released_on: str | None = None) -> SessionRecord | None:
+        """The session is over: cancel pending migrations, release its pins, forget it
+        (``released_on``: the engine whose pins the last turn's request released already)."""
         self.migrations.cancel(session_id, reason="session_end")
         rec = await self.sessions.delete(session_id)
         self.prompts.forget(session_id)
         self.core.on_ended(session_id)
         if rec is not None and rec.home is not None and self.migrations.controllable(rec.home):
             self.migrations.submit(
-                PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"), None
+                PlanAction(ActionKind.RELEASE, session_id, rec.home, reason="session_end"),
+                None,
+                carried=rec.home == released_on,
             )
         return rec
 
