@@ -2,9 +2,11 @@
 # The tests. Three forms:
 #
 #   ./scripts/test.sh           set up everything the tests need (scripts/setup.sh --test), then
-#                               ruff, mypy, the whole suite and scripts/compose-check.sh (the
-#                               images, built beside the suite, and docker-compose.yml's cpu and
-#                               replicas profiles). CI runs exactly this. The suite runs in two phases: every test that needs
+#                               ruff, mypy, the whole suite, engine_ext's engine-less tests
+#                               against the newest vLLM (scripts/vllm-latest-lane.sh, its
+#                               environment installed beside the suite) and
+#                               scripts/compose-check.sh (the images, built beside the suite, and
+#                               docker-compose.yml's cpu and replicas profiles). CI runs exactly this. The suite runs in two phases: every test that needs
 #                               no engine or Mooncake on 2 pytest-xdist workers, then the tests
 #                               that start real vLLM engines or share the mooncake_master
 #                               (markers engine, store) and those xdist cannot run (serial) in
@@ -42,9 +44,13 @@ fi
 # the pytest phases: beside the engine tests, gateways under test were starved for seconds
 # (probes with timeouts of seconds failed).
 logs=$(mktemp -d)
-rc_rest=0 rc_engines=0 rc_build=0
+rc_rest=0 rc_engines=0 rc_build=0 rc_lane=0
 nice -n 15 ./scripts/compose-check.sh --build >"$logs/compose-build.log" 2>&1 &
 build=$!
+# the newest vLLM's environment (scripts/vllm-latest-lane.sh: downloads and unpacking, ~4 min,
+# ~9.5 GB) is installed meanwhile at idle priority; its tests run after the suite
+ionice -c 3 nice -n 15 bash scripts/vllm-latest-lane.sh --install >"$logs/lane-install.log" 2>&1 &
+lane=$!
 "${PYTEST[@]}" -n "$WORKERS" --dist loadfile -m "not engine and not store and not serial" --durations=10 2>&1 | tee "$logs/rest.log" || rc_rest=$?
 "${PYTEST[@]}" -m "engine or store or serial" --durations=15 2>&1 | tee "$logs/engines.log" || rc_engines=$?
 # the two runs' counts in one closing line
@@ -57,7 +63,14 @@ for path in sys.argv[1:]:
         total["errors" if what.startswith("error") else what] += int(n)
 print(f"suite: {total['passed']} passed, {total['failed'] + total['errors']} failed")
 PY
+# engine_ext against the newest vLLM: its import and scheduler-side tests (~40 s)
+if wait "$lane"; then
+  bash scripts/vllm-latest-lane.sh || rc_lane=$?
+else
+  rc_lane=$?
+  cat "$logs/lane-install.log"
+fi
 wait "$build" || rc_build=$?
 cat "$logs/compose-build.log"
-if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ] || [ "$rc_build" != 0 ]; then exit 1; fi
+if [ "$rc_rest" != 0 ] || [ "$rc_engines" != 0 ] || [ "$rc_build" != 0 ] || [ "$rc_lane" != 0 ]; then exit 1; fi
 ./scripts/compose-check.sh --run
