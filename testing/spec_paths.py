@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from testing.engine_metrics import vllm_counters
 
 __all__ = [
     "GATEWAY_HIT",
@@ -57,7 +58,6 @@ BLOCK = 128
 PATHS = ("recompute", "local hit", "host reload", "Mooncake reload", "planner move")
 GATEWAY_HIT = "local hit via the gateway"  # the planner move's baseline: the same hop, a local hit
 
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([-+0-9.e]+)$")
 _ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 _DRAFTS = "vllm:spec_decode_num_drafts_total"
 
@@ -97,24 +97,10 @@ class Turn:
         return self.accepted / self.drafts if self.drafts else 0.0
 
 
-def _metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        name, labels = m.group(1), m.group(2) or ""
-        if name == "vllm:prompt_tokens_by_source_total":
-            found = re.search(r'source="([a-z_]+)"', labels)
-            name = found.group(1) if found else name
-        out[name] = out.get(name, 0.0) + float(m.group(3))
-    return out
-
-
 def turn(engine: Endpoint, prompt: list[int], via: str | None = None, **extra: Any) -> Turn:
     """One streamed greedy completion on ``engine`` (through ``via``, a gateway, when given) with
     its TTFT and ``engine``'s counters (one request at a time: the deltas are its own)."""
-    before = _metrics(engine.url)
+    before = vllm_counters(engine.url)
     body: dict[str, Any] = {
         "model": MODEL,
         "prompt": prompt,
@@ -142,14 +128,14 @@ def turn(engine: Endpoint, prompt: list[int], via: str | None = None, **extra: A
             if ids and first is None:
                 first = time.perf_counter() - start
             tokens += ids
-    after = _metrics(engine.url)
+    after = vllm_counters(engine.url)
     sources = ("local_compute", "local_cache_hit", "external_kv_transfer")
     return Turn(
         tokens,
         first if first is not None else float("nan"),
         after.get(_ACCEPTED, 0.0) - before.get(_ACCEPTED, 0.0),
         after.get(_DRAFTS, 0.0) - before.get(_DRAFTS, 0.0),
-        {s: after.get(s, 0.0) - before.get(s, 0.0) for s in sources},
+        {s: after.get(f"source:{s}", 0.0) - before.get(f"source:{s}", 0.0) for s in sources},
         headers,
     )
 

@@ -18,6 +18,7 @@ from engine_ext import config
 from gateway.local.engines import EngineSpec, LocalEngine, start_engines, stop_engines
 from gateway.local.mooncake import MooncakeMaster
 from gateway.local.tiny_model import VOCAB_SIZE
+from testing.engine_metrics import vllm_counters
 
 HOST_CHUNKS = 96
 BLOCK_BYTES = 65536  # tiny Llama: 2 layers x 2 KV heads x 128 tokens x (K+V) x 32 dims x bf16
@@ -37,7 +38,6 @@ class Engine:
 
 BLOCK = 128
 AUTH = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([-+0-9.e]+)$")
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -68,16 +68,7 @@ def complete(
 
 def metrics(engine: Engine) -> dict[str, float]:
     """Counters summed over labels, except prompt_tokens_by_source which keeps its source."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{engine.url}/metrics", timeout=30).text.splitlines():
-        m = _METRIC.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "vllm:prompt_tokens_by_source_total":
-            name = "source:" + re.search(r'source="([a-z_]+)"', labels).group(1)  # type: ignore[union-attr]
-        out[name] = out.get(name, 0.0) + value
-    return out
+    return vllm_counters(engine.url)
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:

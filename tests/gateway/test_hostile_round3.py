@@ -6,10 +6,8 @@ engine."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -17,6 +15,7 @@ import orjson
 import pytest
 
 from gateway.service.tenants import key_digest
+from testing.recording_engine import RecordingEngine
 from tests.conftest import ServedGateway, engine_metric, fake_engine, wait_ready
 
 ACME, BETA, ADMIN = "sk-acme-1", "sk-beta-2", "sk-admin-3"
@@ -498,54 +497,13 @@ def test_response_routes_authenticate_first(quota_gw: ServedGateway, method: str
 
 
 # -- what reaches an engine ------------------------------------------------------------------------
-class Recorder:
-    """A stand-in engine on a loopback socket that records what each generation request carried."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def _send(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._send(b'{"object": "list", "data": []}' if self.path == "/v1/models" else b"")
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
-                recorder.seen.append(({k.lower(): v for k, v in self.headers.items()}, orjson.loads(raw)))
-                self._send(
-                    orjson.dumps(
-                        {"id": "chatcmpl-1", "object": "chat.completion", "model": MODEL, "choices": []}
-                    )
-                )
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.mark.parametrize("keys", [True, False])
 def test_engine_steering_fields_and_foreign_headers_never_reach_an_engine(keys: bool) -> None:
     """A client's own ``priority``, ``cache_salt``, ``kv_transfer_params`` (``remote_host``,
     ``do_remote_prefill``: steering the engine's KV connector), ``vllm_xargs.kv_transfer_params``
     and ``ec_transfer_params`` reached the engines, and so did hop-by-hop and credential headers
     (``Connection``-nominated ones, ``Proxy-Authorization``, ``Cookie``)."""
-    rec = Recorder()
+    rec = RecordingEngine()
     try:
         cfg = config(rec.url)
         if not keys:
@@ -574,7 +532,7 @@ def test_engine_steering_fields_and_foreign_headers_never_reach_an_engine(keys: 
             assert r.status_code == 200, r.text
     finally:
         rec.close()
-    ((sent_headers, sent),) = rec.seen
+    ((_, sent_headers, sent),) = rec.seen
     assert "priority" not in sent and "ec_transfer_params" not in sent and "kv_transfer_params" not in sent
     assert sent["vllm_xargs"] == {"keep": 1}
     if keys:

@@ -9,11 +9,8 @@ the same URL) records every generation body and control call of a served gateway
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -22,9 +19,19 @@ import pytest
 from engine_ext.kv_hints import ControlCall, control_calls, request_envelope
 from gateway.config import ConfigError, load_config
 from gateway.core.kv_hints import kv_transfer_params
+from testing.recording_engine import RecordingEngine
 from tests.conftest import ServedGateway, wait_ready
 
 MODEL = "m"
+
+
+def carried(action_type: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The kv_transfer_params of session "s"'s second turn carrying one action."""
+    action = {"action_id": "turn", "action_version": "1.0", "action_type": action_type, "payload": payload}
+    return {
+        "agentgw": {"session_id": "s"},
+        "kv_hints": {"protocol_version": "1.0", "message_id": "s#2", "actions": [action]},
+    }
 
 
 @pytest.mark.parametrize(
@@ -32,46 +39,8 @@ MODEL = "m"
     [
         (30.0, False, False, {"agentgw": {"session_id": "s", "pin_ttl_s": 30.0}}),
         (None, True, False, {"agentgw": {"session_id": "s", "release": True}}),
-        (
-            30.0,
-            False,
-            True,
-            {
-                "agentgw": {"session_id": "s"},
-                "kv_hints": {
-                    "protocol_version": "1.0",
-                    "message_id": "s#2",
-                    "actions": [
-                        {
-                            "action_id": "turn",
-                            "action_version": "1.0",
-                            "action_type": "kv.pin",
-                            "payload": {"ttl_s": 30.0},
-                        }
-                    ],
-                },
-            },
-        ),
-        (
-            None,
-            True,
-            True,
-            {
-                "agentgw": {"session_id": "s"},
-                "kv_hints": {
-                    "protocol_version": "1.0",
-                    "message_id": "s#2",
-                    "actions": [
-                        {
-                            "action_id": "turn",
-                            "action_version": "1.0",
-                            "action_type": "kv.release",
-                            "payload": {},
-                        }
-                    ],
-                },
-            },
-        ),
+        (30.0, False, True, carried("kv.pin", {"ttl_s": 30.0})),
+        (None, True, True, carried("kv.release", {})),
     ],
 )
 def test_a_turns_kv_transfer_params(
@@ -102,69 +71,9 @@ def test_kv_hints_needs_a_control_url() -> None:
         load_config(None, pools=[{"name": "any", "engines": [engine]}])
 
 
-class StandIn:
-    """A stand-in engine and its control API on one loopback URL: records (path, body) of every
-    POST; answers a chat completion or ``{}``."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def _send(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                self._send(b'{"object": "list", "data": []}' if self.path == "/v1/models" else b"")
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
-                stand_in.seen.append((self.path, json.loads(raw)))
-                if self.path.startswith("/v1/kv/"):
-                    self._send(b"{}")
-                    return
-                answer = {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "model": MODEL,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "ok"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-                }
-                self._send(json.dumps(answer).encode())
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def turns(self) -> list[dict[str, Any]]:
-        return [body for path, body in self.seen if path == "/v1/chat/completions"]
-
-    def control_calls(self) -> list[str]:
-        return [path for path, _ in self.seen if path.startswith("/v1/kv/")]
-
-
 @pytest.fixture
-def stand_in() -> Iterator[StandIn]:
-    s = StandIn()
+def stand_in() -> Iterator[RecordingEngine]:
+    s = RecordingEngine()
     try:
         yield s
     finally:
@@ -196,7 +105,7 @@ def turn(gw: ServedGateway, session: str, end: bool = False, **extra: Any) -> No
 
 @pytest.mark.parametrize("kv_hints", [False, True])
 def test_a_turns_pin_and_release_ride_on_the_request_only_for_engines_with_kv_hints(
-    stand_in: StandIn, kv_hints: bool
+    stand_in: RecordingEngine, kv_hints: bool
 ) -> None:
     engine = {
         "name": "e0",
